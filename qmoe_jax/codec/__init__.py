@@ -1,0 +1,9 @@
+"""Sub-1-bit ternary codec: the QMoE dictionary, encoder, decoder and containers."""
+
+from qmoe_jax.codec.containers import CompressedExperts as CompressedExperts
+from qmoe_jax.codec.containers import CompressedMatrix as CompressedMatrix
+from qmoe_jax.codec.dictionary import DEFAULT_P0 as DEFAULT_P0
+from qmoe_jax.codec.dictionary import Dictionary as Dictionary
+from qmoe_jax.codec.dictionary import build_dictionary as build_dictionary
+from qmoe_jax.codec.reference import decode_codes as decode_codes
+from qmoe_jax.codec.reference import encode_reference as encode_reference

@@ -1,0 +1,35 @@
+// Constants of the qmoe_jax compressed format v1 (DESIGN.md §4), shared by the
+// CPU and CUDA code.
+//
+// A matrix W[rows, cols] (y = W·x) is stored per row as a run of uint16
+// codewords. Codeword i indexes entry i of a 2^16-entry dictionary; each entry
+// expands to 1..14 pairs of ternary weights (0 = zero, 1 = row min, 2 = row
+// max). Rows are encoded independently: row r owns codes[row_offsets[r] :
+// row_offsets[r+1]]. A row with odd `cols` is padded with one zero weight, so
+// a well-formed row decodes to exactly 2*ceil(cols/2) weights.
+//
+// Kernels do not read the canonical entries; they take the "mask" form that
+// qmoe_jax.codec.Dictionary.masks precomputes once per dictionary:
+//   masks[i][0] = plus_mask  | (pair_count << 28)   bit k set: weight k is max
+//   masks[i][1] = minus_mask                         bit k set: weight k is min
+// so that y_r = max_r * sum(x over plus bits) + min_r * sum(x over minus bits).
+#pragma once
+
+#include <cstdint>
+
+namespace qmoe {
+
+inline constexpr int64_t kDictionaryEntries = 1 << 16;
+inline constexpr int kMaxPairsPerCode = 14;
+inline constexpr int kMaxWeightsPerCode = 2 * kMaxPairsPerCode;  // 28
+inline constexpr int kPairCountShift = 28;
+inline constexpr uint32_t kWeightMask = (1u << kMaxWeightsPerCode) - 1u;  // low 28 bits
+
+// Number of weights a well-formed row decodes to (odd rows get one zero pad).
+inline constexpr int64_t PaddedCols(int64_t cols) { return cols + (cols & 1); }
+
+inline constexpr int PairCount(uint32_t mask_word0) {
+  return static_cast<int>(mask_word0 >> kPairCountShift);
+}
+
+}  // namespace qmoe
