@@ -17,3 +17,5 @@ from qmoe_jax.checkpoints.reader import open_t5x_checkpoint as open_t5x_checkpoi
 from qmoe_jax.checkpoints.shapes import check_shapes as check_shapes
 from qmoe_jax.checkpoints.t5x_legacy import LegacyT5XCheckpoint as LegacyT5XCheckpoint
 from qmoe_jax.checkpoints.t5x_orbax import OrbaxT5XCheckpoint as OrbaxT5XCheckpoint
+from qmoe_jax.checkpoints.writer import t5x_chunk_shape as t5x_chunk_shape
+from qmoe_jax.checkpoints.writer import write_t5x_checkpoint as write_t5x_checkpoint
