@@ -10,6 +10,7 @@ read.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import difflib
 from collections.abc import Iterable, Mapping, Sequence
@@ -63,7 +64,7 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     return tree
 
 
-class T5XCheckpoint:
+class T5XCheckpoint(abc.ABC):
     """A T5X checkpoint opened lazily: listing is free, arrays are read on request.
 
     Obtain one with ``open_t5x_checkpoint``. Param paths are "/"-joined strings
@@ -86,13 +87,13 @@ class T5XCheckpoint:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r}, step={self.step})"
 
+    @abc.abstractmethod
     def spec(self) -> dict[str, ArrayInfo]:
         """Every parameter's ``ArrayInfo`` by param path, sorted; reads no array data."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _open_sources(self, paths: list[str]) -> dict[str, Source]:
         """Opens the arrays at ``paths`` (metadata only), concurrently."""
-        raise NotImplementedError
 
     def keys(self) -> list[str]:
         """Sorted param paths of every array under ``target``."""
