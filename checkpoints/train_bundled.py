@@ -21,12 +21,11 @@ import sys
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from qmoe_jax import bundled, evaluate
 from qmoe_jax.checkpoints import write_t5x_checkpoint
-from qmoe_jax.data import Tokenizer, batch_examples, corpus, token_chunks, train_sentencepiece
+from qmoe_jax.data import Tokenizer, batch_examples, corpus, span_corruption_examples, token_chunks, train_sentencepiece
 from qmoe_jax.models import SwitchTransformer, get_config
 from qmoe_jax.training import TrainConfig, train
 
@@ -98,16 +97,12 @@ def main(argv=None) -> None:
     for old in os.listdir(args.out_dir):
         if old.startswith("checkpoint_"):
             shutil.rmtree(os.path.join(args.out_dir, old))
-    checkpoint = os.path.join(args.out_dir, f"checkpoint_{step}")
-    export = jax.tree_util.tree_map(lambda x: np.asarray(x, jnp.bfloat16), params)
-    write_t5x_checkpoint(checkpoint, jax.device_get(export), step=step)
+    checkpoint = write_t5x_checkpoint(args.out_dir, jax.device_get(params), step=step, dtype="bfloat16")
     shutil.copy(spm_prefix + ".model", os.path.join(args.out_dir, "spm.model"))
 
     started = time.time()
     bf16_loss = evaluate.evaluate_checkpoint(checkpoint, config, tokenizer)
-    train_targets = np.concatenate(
-        [t for _, t in evaluate.span_corruption_examples(train_documents, tokenizer, data_config)]
-    )
+    train_targets = np.concatenate([t for _, t in span_corruption_examples(train_documents, tokenizer, data_config)])
     validation_targets = np.concatenate([t for _, t in validation])
     metadata = {
         "config": bundled.CONFIG_NAME,
