@@ -27,7 +27,7 @@ from qmoe_jax import bundled, evaluate
 from qmoe_jax.checkpoints import write_t5x_checkpoint
 from qmoe_jax.data import Tokenizer, batch_examples, corpus, span_corruption_examples, token_chunks, train_sentencepiece
 from qmoe_jax.models import SwitchTransformer, get_config
-from qmoe_jax.training import TrainConfig, train
+from qmoe_jax.training import TrainConfig, moe_aux_losses, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,6 +48,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out_dir", default=os.path.join(REPO, "checkpoints", bundled.CONFIG_NAME))
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
     parser.add_argument("--batch_size", type=int, default=TrainConfig.batch_size)
+    parser.add_argument("--warmup_steps", type=int, default=TrainConfig.warmup_steps)
+    parser.add_argument("--eval_every", type=int, default=TrainConfig.eval_every)
     parser.add_argument("--peak_learning_rate", type=float, default=TrainConfig.peak_learning_rate)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -83,11 +85,12 @@ def main(argv=None) -> None:
 
     banner("training")
     train_config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, peak_learning_rate=args.peak_learning_rate, seed=args.seed
+        steps=args.steps, batch_size=args.batch_size, peak_learning_rate=args.peak_learning_rate, seed=args.seed,
+        warmup_steps=args.warmup_steps, eval_every=args.eval_every,
     )
     params, history = train(
         model, params, chunks, eval_batches, tokenizer.sentinel(0), bundled.INPUTS_LENGTH,
-        bundled.DECODER_LENGTH, train_config, evaluate.moe_aux_losses,
+        bundled.DECODER_LENGTH, train_config, moe_aux_losses,
         os.path.join(args.work_dir, "snapshot.msgpack"),
     )
 

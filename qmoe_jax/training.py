@@ -200,3 +200,11 @@ def train(
         if done % config.snapshot_every == 0 or done == config.steps:
             save_snapshot(snapshot_path, done, params, opt_state, history)
     return params, history
+
+
+def moe_aux_losses(intermediates) -> tuple[jax.Array, jax.Array]:
+    """(load-balancing loss, router z-loss), averaged over the MoE layers' sown metrics."""
+    from qmoe_jax.models import router_metrics
+
+    metrics = router_metrics(intermediates)
+    return metrics["auxiliary_loss"], metrics["router_z_loss"]
