@@ -47,46 +47,75 @@ class Embedding(nn.Module):
 
 def _mlp(config: SwitchConfig, sparse: bool, experts_cls: Any) -> nn.Module:
     if sparse:
-        return MoeLayer(config, experts_cls, name="mlp")
-    return DenseMlp(config, name="mlp")
+        return MoeLayer(config, experts_cls)
+    return DenseMlp(config)
 
 
 class EncoderLayer(nn.Module):
+    """Pre-norm self-attention then MLP (dense, or MoE when ``sparse``).
+
+    ``attend`` is the part before the MLP; the calibration pass calls it alone.
+    """
+
     config: SwitchConfig
     sparse: bool
     experts_cls: Any = MlpExperts
 
-    @nn.compact
-    def __call__(self, x, mask, bias, logit_mask, *, enable_dropout: bool = False):
+    def setup(self):
         cfg = self.config
-        h = RmsNorm(cfg, name="pre_attention_layer_norm")(x) * logit_mask
-        h = MultiHeadAttention(cfg, name="attention")(h, h, mask, bias, enable_dropout=enable_dropout)
+        self.pre_attention_layer_norm = RmsNorm(cfg)
+        self.attention = MultiHeadAttention(cfg)
+        self.pre_mlp_layer_norm = RmsNorm(cfg)
+        self.mlp = _mlp(cfg, self.sparse, self.experts_cls)
+
+    def attend(self, x, mask, bias, logit_mask, *, enable_dropout: bool = False):
+        """(residual stream after attention, MLP input), both ``[B, L, d]``."""
+        cfg = self.config
+        h = self.pre_attention_layer_norm(x) * logit_mask
+        h = self.attention(h, h, mask, bias, enable_dropout=enable_dropout)
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
-        h = RmsNorm(cfg, name="pre_mlp_layer_norm")(x) * logit_mask
-        h = _mlp(cfg, self.sparse, self.experts_cls)(h, enable_dropout=enable_dropout)
-        return x + dropout(h, cfg.dropout_rate, enable_dropout, self)
+        return x, self.pre_mlp_layer_norm(x) * logit_mask
+
+    def __call__(self, x, mask, bias, logit_mask, *, enable_dropout: bool = False):
+        x, h = self.attend(x, mask, bias, logit_mask, enable_dropout=enable_dropout)
+        h = self.mlp(h, enable_dropout=enable_dropout)
+        return x + dropout(h, self.config.dropout_rate, enable_dropout, self)
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm causal self-attention, cross-attention, then MLP; ``attend`` is all but the MLP."""
+
     config: SwitchConfig
     sparse: bool
     experts_cls: Any = MlpExperts
 
-    @nn.compact
+    def setup(self):
+        cfg = self.config
+        self.pre_self_attention_layer_norm = RmsNorm(cfg)
+        self.self_attention = MultiHeadAttention(cfg)
+        self.pre_cross_attention_layer_norm = RmsNorm(cfg)
+        self.encoder_decoder_attention = MultiHeadAttention(cfg)
+        self.pre_mlp_layer_norm = RmsNorm(cfg)
+        self.mlp = _mlp(cfg, self.sparse, self.experts_cls)
+
+    def attend(self, x, encoded, self_mask, cross_mask, bias, logit_mask, *,
+               enable_dropout: bool = False, cache_position=None):
+        """(residual stream after both attentions, MLP input), both ``[B, L, d]``."""
+        cfg = self.config
+        h = self.pre_self_attention_layer_norm(x) * logit_mask
+        h = self.self_attention(h, h, self_mask, bias, enable_dropout=enable_dropout, cache_position=cache_position)
+        x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
+        h = self.pre_cross_attention_layer_norm(x) * logit_mask
+        h = self.encoder_decoder_attention(h, encoded, cross_mask, None, enable_dropout=enable_dropout)
+        x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
+        return x, self.pre_mlp_layer_norm(x) * logit_mask
+
     def __call__(self, x, encoded, self_mask, cross_mask, bias, logit_mask, *,
                  enable_dropout: bool = False, cache_position=None):
-        cfg = self.config
-        h = RmsNorm(cfg, name="pre_self_attention_layer_norm")(x) * logit_mask
-        h = MultiHeadAttention(cfg, name="self_attention")(
-            h, h, self_mask, bias, enable_dropout=enable_dropout, cache_position=cache_position)
-        x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
-        h = RmsNorm(cfg, name="pre_cross_attention_layer_norm")(x) * logit_mask
-        h = MultiHeadAttention(cfg, name="encoder_decoder_attention")(
-            h, encoded, cross_mask, None, enable_dropout=enable_dropout)
-        x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
-        h = RmsNorm(cfg, name="pre_mlp_layer_norm")(x) * logit_mask
-        h = _mlp(cfg, self.sparse, self.experts_cls)(h, enable_dropout=enable_dropout)
-        return x + dropout(h, cfg.dropout_rate, enable_dropout, self)
+        x, h = self.attend(x, encoded, self_mask, cross_mask, bias, logit_mask,
+                           enable_dropout=enable_dropout, cache_position=cache_position)
+        h = self.mlp(h, enable_dropout=enable_dropout)
+        return x + dropout(h, self.config.dropout_rate, enable_dropout, self)
 
 
 class Encoder(nn.Module):
