@@ -5,5 +5,8 @@ from qmoe_jax.codec.containers import CompressedMatrix as CompressedMatrix
 from qmoe_jax.codec.dictionary import DEFAULT_P0 as DEFAULT_P0
 from qmoe_jax.codec.dictionary import Dictionary as Dictionary
 from qmoe_jax.codec.dictionary import build_dictionary as build_dictionary
+from qmoe_jax.codec.encoder import encode as encode
+from qmoe_jax.codec.encoder import encode_experts as encode_experts
 from qmoe_jax.codec.reference import decode_codes as decode_codes
+from qmoe_jax.codec.reference import decode_codes_jnp as decode_codes_jnp
 from qmoe_jax.codec.reference import encode_reference as encode_reference
