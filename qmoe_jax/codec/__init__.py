@@ -1,5 +1,10 @@
 """Sub-1-bit ternary codec: the QMoE dictionary, encoder, decoder and containers."""
 
+from qmoe_jax.codec.adaptive import DictionaryMode as DictionaryMode
+from qmoe_jax.codec.adaptive import adaptive_dictionary as adaptive_dictionary
+from qmoe_jax.codec.adaptive import adaptive_p0 as adaptive_p0
+from qmoe_jax.codec.adaptive import dictionary_for as dictionary_for
+from qmoe_jax.codec.adaptive import estimate_p0 as estimate_p0
 from qmoe_jax.codec.containers import CompressedExperts as CompressedExperts
 from qmoe_jax.codec.containers import CompressedMatrix as CompressedMatrix
 from qmoe_jax.codec.dictionary import DEFAULT_P0 as DEFAULT_P0
