@@ -120,3 +120,15 @@ def encode_experts(
     if streams.shape[1] == 0:
         streams = np.zeros((codes.shape[0], 1), np.uint16)
     return CompressedExperts(streams, row_offsets, minmax, codes.shape[2])
+
+
+def count_codewords(codes: np.ndarray, dictionary: Dictionary, *, num_threads: int | None = None) -> int:
+    """Codewords that encoding ``codes`` with ``dictionary`` takes (what a dictionary is judged by).
+
+    Args:
+      codes: uint8[rows, cols] or uint8[E, rows, cols] with values in {0, 1, 2}.
+    """
+    codes = np.asarray(codes)
+    codes = _checked_codes(codes, "E, rows, cols" if codes.ndim == 3 else "rows, cols")
+    _, row_offsets = _encoder_table(dictionary).encode(codes, _checked_threads(num_threads))
+    return int(row_offsets[..., -1].astype(np.int64).sum())
