@@ -232,3 +232,32 @@ def test_native_encode_rejects_bad_arrays(dictionary):
         table.encode(np.zeros((2, 2), np.float32))
     with pytest.raises(ValueError, match="dimensions"):
         table.encode(np.zeros((1, 2, 2, 2), np.uint8))
+
+
+def random_entries(rng, max_pairs):
+    """Canonical-layout entries with random pair counts and weights (duplicates, holes)."""
+    pair_count = rng.integers(1, max_pairs + 1, size=65536).astype(np.uint32)
+    weights = rng.integers(0, 3, size=(65536, 28)).astype(np.uint32)
+    weights[np.arange(28)[None, :] >= 2 * pair_count[:, None]] = 0
+    shifts = 4 + 2 * np.arange(14, dtype=np.uint32)
+    words = [
+        pair_count | (weights[:, 14 * w : 14 * w + 14] << shifts).sum(axis=1, dtype=np.uint32)
+        for w in (0, 1)
+    ]
+    return np.stack(words, axis=1)
+
+
+@pytest.mark.parametrize("max_pairs", [1, 3, 9])
+def test_random_dictionaries_match_reference(max_pairs):
+    rng = np.random.default_rng(max_pairs)
+    random_dictionary = Dictionary.from_entries(random_entries(rng, max_pairs), 0.5)
+    for _ in range(20):
+        codes = ternary(rng, (2, int(rng.integers(1, 40))), float(rng.uniform(0.3, 0.9)))
+        minmax = minmax_for((2, 2))
+        try:
+            expected = encode_reference(codes, minmax, random_dictionary)
+        except KeyError:
+            with pytest.raises(ValueError, match="no one-pair entry"):
+                encode(codes, minmax, random_dictionary)
+            continue
+        assert_same_matrix(encode(codes, minmax, random_dictionary), expected)
