@@ -2,6 +2,8 @@
 // XLA FFI handler capsules. Each source file registers its own functions.
 #include <pybind11/pybind11.h>
 
+#include "encoder.h"
+
 namespace py = pybind11;
 
 PYBIND11_MODULE(_qmoe_ext, m) {
@@ -11,4 +13,5 @@ PYBIND11_MODULE(_qmoe_ext, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  qmoe::RegisterEncoder(m);
 }
