@@ -29,7 +29,7 @@ from qmoe_jax.data.span_corruption import span_corrupt
 class TrainConfig:
     batch_size: int = 32
     steps: int = 12_000
-    peak_learning_rate: float = 2e-3
+    peak_learning_rate: float = 1e-3
     warmup_steps: int = 500
     final_learning_rate_fraction: float = 0.05
     weight_decay: float = 0.01

@@ -25,7 +25,7 @@ import numpy as np
 from qmoe_jax.calibration.sublayers import expert_hidden, expert_outputs
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, expert_hessians, quantize_expert_group
-from qmoe_jax.quant import cap_tokens, token_cap
+from qmoe_jax.quant import cap_tokens, rtn, token_cap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,9 @@ def gather_group(order: np.ndarray, starts: np.ndarray, experts: range, premask:
     return GroupTokens(rows, valid, hessian_mask)
 
 
+_rtn_experts = jax.jit(jax.vmap(rtn, in_axes=(0, None)), static_argnums=1)
+
+
 def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, kernels: dict[str, np.ndarray],
                      inputs: np.ndarray, tokens: GroupTokens, mesh=None) -> tuple[dict[str, QuantizedKernel], np.ndarray, dict]:
     """GPTQ (or RTN) of one group's kernels.
@@ -125,40 +128,49 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
       (quantized kernels by name, fallback bool[g], seconds by stage).
     """
     seconds = {"hessian": 0.0, "gptq": 0.0}
-    use_hessian = settings.method == "gptq"
-    mask = jnp.asarray(tokens.hessian_mask if use_hessian else np.zeros_like(tokens.hessian_mask))
-    x = jnp.asarray(inputs)
-    started = time.perf_counter()
-    input_hessians, counts = expert_hessians(x, mask)
-    input_hessians.block_until_ready()
-    seconds["hessian"] += time.perf_counter() - started
-
     quantized: dict[str, QuantizedKernel] = {}
     fallback = np.zeros(len(tokens.rows), bool)
+    names = input_kernel_names(config)
 
-    def run(name: str, hessians):
+    def weights_of(name: str) -> jax.Array:
+        return jnp.swapaxes(jnp.asarray(kernels[name], jnp.float32), 1, 2)
+
+    if settings.method == "rtn":
+        started = time.perf_counter()
+        for name in names + ["wo"]:
+            codes, params = _rtn_experts(weights_of(name), settings.grid)
+            quantized[name] = QuantizedKernel(np.asarray(codes), np.asarray(params))
+        seconds["gptq"] += time.perf_counter() - started
+        return quantized, fallback, seconds
+
+    def timed_hessians(x):
+        started = time.perf_counter()
+        hessians, counts = expert_hessians(x, mask)
+        hessians.block_until_ready()
+        seconds["hessian"] += time.perf_counter() - started
+        return hessians, counts
+
+    def run(name: str, hessians, counts):
         nonlocal fallback
         started = time.perf_counter()
-        weights = jnp.swapaxes(jnp.asarray(kernels[name], jnp.float32), 1, 2)
-        result = quantize_expert_group(weights, hessians, counts, settings.grid, settings.gptq, mesh=mesh)
+        result = quantize_expert_group(weights_of(name), hessians, counts, settings.grid, settings.gptq, mesh=mesh)
         quantized[name] = QuantizedKernel(np.asarray(result.codes), np.asarray(result.grid_params))
-        if use_hessian:  # with RTN every expert uses the identity Hessian by design, not as a fallback
-            fallback = fallback | np.asarray(result.fallback)
+        fallback = fallback | np.asarray(result.fallback)
         seconds["gptq"] += time.perf_counter() - started
 
-    names = input_kernel_names(config)
+    mask = jnp.asarray(tokens.hessian_mask)
+    x = jnp.asarray(inputs)
+    input_hessians, counts = timed_hessians(x)
     for name in names:
-        run(name, input_hessians)
-    started = time.perf_counter()
+        run(name, input_hessians, counts)
+    del input_hessians
     if settings.true_sequential:
         in_kernels = [dequantized_t5x_kernel(quantized[n], settings.grid) for n in names]
     else:
         in_kernels = [jnp.asarray(kernels[n], jnp.float32) for n in names]
     hidden = jax.vmap(lambda xs, *ks: expert_hidden(config, list(ks), xs))(x, *in_kernels)
-    output_hessians, _ = expert_hessians(hidden, mask)
-    output_hessians.block_until_ready()
-    seconds["hessian"] += time.perf_counter() - started
-    run("wo", output_hessians)
+    output_hessians, counts = timed_hessians(hidden)
+    run("wo", output_hessians, counts)
     return quantized, fallback, seconds
 
 

@@ -64,10 +64,9 @@ def _stack_arrays(stacks: list[CompressedExperts]) -> dict[str, np.ndarray]:
     }
 
 
-def _kernel_stats(codes: list[np.ndarray], arrays: dict, ternary: bool) -> dict:
-    all_codes = np.concatenate([c.reshape(-1) for c in codes])
-    experts, rows, cols = sum(c.shape[0] for c in codes), codes[0].shape[1], codes[0].shape[2]
-    stats = {"zero_fraction": float(np.mean(all_codes == 0)), "rows": rows, "cols": cols}
+def _kernel_stats(zeros: int, shape: tuple[int, int, int], arrays: dict, ternary: bool) -> dict:
+    experts, rows, cols = shape
+    stats = {"zero_fraction": zeros / (experts * rows * cols), "rows": rows, "cols": cols}
     if ternary:
         n_codes = int(arrays["row_offsets"][:, -1].astype(np.int64).sum())
         stats["codewords"] = n_codes
@@ -90,7 +89,8 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
     cap = hessian_token_cap(tokens.premask, order, starts, settings.token_cap_factor)
     outputs = np.zeros_like(tokens.inputs)
     names = kernel_names(config)
-    codes: dict[str, list] = {n: [] for n in names}
+    zeros = {n: 0 for n in names}
+    shapes: dict[str, tuple[int, int, int]] = {}
     stored: dict[str, list] = {n: [] for n in names}
     fallback = np.zeros(config.num_experts, bool)
     seconds = {"read": 0.0, "hessian": 0.0, "gptq": 0.0, "encode": 0.0, "forward": 0.0}
@@ -109,7 +109,8 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         if ternary and dictionary is None:
             dictionary = dictionary_for(quantized)
         for name, kernel in quantized.items():
-            codes[name].append(kernel.codes)
+            zeros[name] += int(np.count_nonzero(kernel.codes == 0))
+            shapes[name] = (config.num_experts,) + kernel.codes.shape[1:]
             if ternary:
                 stored[name].append(encode_experts(kernel.codes, kernel.grid_params, dictionary))
             else:
@@ -126,7 +127,7 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
             arrays[name] = _stack_arrays(stored[name])
         else:
             arrays[name] = {key: np.concatenate([s[key] for s in stored[name]]) for key in ("codes", "grid_params")}
-        kernel_stats[name] = _kernel_stats(codes[name], arrays[name], ternary)
+        kernel_stats[name] = _kernel_stats(zeros[name], shapes[name], arrays[name], ternary)
     counts = np.diff(starts)
     stats = {
         "kernels": kernel_stats,
