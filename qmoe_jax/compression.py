@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import json
 import os
 import time
 from collections.abc import Callable
@@ -36,13 +37,16 @@ class CompressionOptions:
 
     Attributes:
       checkpoint: T5X checkpoint directory or URL (None: the bundled model).
-      config: model config name (None: inferred from the checkpoint's shapes).
+      config: model config name, or a JSON file of ``SwitchConfig`` fields for a
+        custom model (None: inferred from the checkpoint's shapes).
       tokenizer: SentencePiece model (None: the bundled model's).
       calibration: "bundled", "c4:<dir or glob>", or "text:<glob>".
       num_samples: calibration samples; inputs_length: their encoder length.
       grid: "ternary", "2bit", "3bit", "4bit" or "8bit"; method: "gptq" or "rtn".
       group_size: experts per vmapped GPTQ call; dictionary: "static" or "adaptive".
       output_dir: where the compressed checkpoint goes (None: runs/compressed/<config>).
+      hessian_memory_mb: memory one vmapped GPTQ call may use for Hessians (None:
+        a quarter of the accelerator's memory, or 512 MiB on CPU).
     """
 
     checkpoint: str | None = None
@@ -60,6 +64,7 @@ class CompressionOptions:
     act_order: bool = False
     seed: int = 1
     output_dir: str | None = None
+    hessian_memory_mb: int | None = None
 
     def __post_init__(self):
         if self.grid not in GRIDS:
@@ -68,6 +73,26 @@ class CompressionOptions:
             raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
         if not (self.calibration == "bundled" or self.calibration.startswith(("c4:", "text:"))):
             raise ValueError(f"calibration must be 'bundled', 'c4:<dir>' or 'text:<glob>', got {self.calibration!r}")
+
+
+def resolve_config(spec: str) -> SwitchConfig:
+    """A registered config by name, or one read from a JSON file of ``SwitchConfig`` fields."""
+    if spec.endswith(".json"):
+        if not os.path.isfile(spec):
+            raise FileNotFoundError(f"config file {spec!r} does not exist")
+        with open(spec) as f:
+            fields = json.load(f)
+        try:
+            return SwitchConfig(**fields)
+        except TypeError as error:
+            raise ValueError(f"{spec} is not a SwitchConfig: {error}") from None
+    return get_config(spec)
+
+
+def default_hessian_memory_mb() -> int:
+    stats = jax.devices()[0].memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return int(limit // 4 >> 20) if limit else 512
 
 
 def infer_config(checkpoint: T5XCheckpoint) -> SwitchConfig:
@@ -111,7 +136,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
     path = options.checkpoint or bundled.checkpoint_path()
     checkpoint = open_t5x_checkpoint(path)
     if config is None:
-        config = get_config(options.config) if options.config else infer_config(checkpoint)
+        config = resolve_config(options.config) if options.config else infer_config(checkpoint)
     checkpoint.check_shapes(expected_param_shapes(config), config_name=config.name)
     output_dir = options.output_dir or os.path.join("runs", "compressed", config.name)
     tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
@@ -127,10 +152,12 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
     data_seconds = time.perf_counter() - data_started
 
     grid = GRIDS[options.grid]
+    hessian_memory_mb = options.hessian_memory_mb or default_hessian_memory_mb()
     settings = CalibrationConfig(
         experts=ExpertCompressionConfig(grid=grid, method=options.method, group_size=options.group_size,
                                         gptq=GPTQConfig(act_order=options.act_order),
-                                        true_sequential=options.true_sequential),
+                                        true_sequential=options.true_sequential,
+                                        hessian_memory=hessian_memory_mb << 20),
         dictionary=options.dictionary, batch_size=options.batch_size,
     )
     header = {
@@ -141,7 +168,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
             "dictionary": options.dictionary, "true_sequential": options.true_sequential,
             "act_order": options.act_order, "calibration": options.calibration,
             "num_samples": options.num_samples, "inputs_length": options.inputs_length,
-            "batch_size": options.batch_size, "seed": options.seed,
+            "batch_size": options.batch_size, "seed": options.seed, "hessian_memory_mb": hessian_memory_mb,
             "tokenizer": os.path.basename(tokenizer.model_path),
         },
     }

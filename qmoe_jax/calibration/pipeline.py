@@ -108,7 +108,6 @@ class CalibrationPass:
         def read(experts: range) -> dict[str, np.ndarray]:
             return {
                 name: self.checkpoint.read_expert(f"{prefix}/{name}/kernel", slice(experts.start, experts.stop))
-                .astype(np.float32)
                 for name in kernel_names(self.config)
             }
 

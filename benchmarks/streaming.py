@@ -1,0 +1,127 @@
+"""Peak memory of the main job against the size of the checkpoint it compresses.
+
+Writes a synthetic switch-base-like checkpoint in the legacy T5X format
+(random bf16 weights; many experts), compresses it with
+``python -m qmoe_jax.compress`` in a child process, and reports the child's
+peak resident set size (``getrusage(RUSAGE_CHILDREN).ru_maxrss``; RSS, not
+virtual memory, since XLA reserves large virtual ranges). Pass: peak RSS ≤ 1/3
+of the checkpoint's size on disk.
+
+    python benchmarks/streaming.py                 # ~7.3 GB checkpoint, GPTQ, default flags
+    python benchmarks/streaming.py --quick         # ~0.3 GB, a smoke test of the harness
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from qmoe_jax.checkpoints import write_t5x_checkpoint  # noqa: E402
+from qmoe_jax.evaluate import expected_param_shapes  # noqa: E402
+from qmoe_jax.models import get_config  # noqa: E402
+
+
+def synthetic_params(config, seed: int) -> dict:
+    """Random bf16 parameters with the config's T5X tree, generated one array at a time."""
+    rng = np.random.default_rng(seed)
+    params: dict = {}
+    for path, shape in expected_param_shapes(config).items():
+        fan_in = shape[-2] if len(shape) >= 2 else 1
+        if path.endswith("scale"):
+            value = np.ones(shape, ml_dtypes.bfloat16)
+        else:
+            value = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(ml_dtypes.bfloat16)
+        node = params
+        keys = path.split("/")
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return params
+
+
+def directory_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (every other one sparse)")
+    parser.add_argument("--num_samples", type=int, default=64)
+    parser.add_argument("--method", default="gptq")
+    parser.add_argument("--work_dir", default=os.path.join(REPO, "benchmarks", "results", "streaming"))
+    parser.add_argument("--tokenizer", help="SentencePiece model for the calibration text (default: the bundled one)")
+    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the output")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.experts, args.layers, args.num_samples = 16, 2, 16
+
+    base = get_config("switch-base-8")
+    config = dataclasses.replace(
+        base, name=f"switch-base-synthetic-{args.experts}", num_experts=args.experts,
+        num_encoder_layers=args.layers, num_decoder_layers=args.layers,
+        num_encoder_sparse_layers=args.layers // 2, num_decoder_sparse_layers=args.layers // 2,
+        checkpoint_path=None, checkpoint_step=None,
+    )
+    shutil.rmtree(args.work_dir, ignore_errors=True)
+    os.makedirs(args.work_dir)
+    started = time.time()
+    checkpoint = write_t5x_checkpoint(os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1)
+    checkpoint_bytes = directory_bytes(checkpoint)
+    write_seconds = time.time() - started
+    config_path = os.path.join(args.work_dir, "config.json")
+    with open(config_path, "w") as f:
+        json.dump(dataclasses.asdict(config), f)
+    print(f"synthetic checkpoint: {checkpoint_bytes / 2**30:.2f} GiB in {write_seconds:.0f}s ({checkpoint})", flush=True)
+
+    output_dir = os.path.join(args.work_dir, "compressed")
+    command = [sys.executable, "-m", "qmoe_jax.compress", "--checkpoint", checkpoint, "--config", config_path,
+               "--num_samples", str(args.num_samples), "--method", args.method, "--output_dir", output_dir]
+    if args.tokenizer:
+        command += ["--tokenizer", args.tokenizer]
+    started = time.time()
+    child = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    compress_seconds = time.time() - started
+    if child.returncode != 0:
+        print(child.stdout[-3000:], child.stderr[-3000:])
+        raise SystemExit(f"compression failed with exit code {child.returncode}")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    with open(os.path.join(output_dir, "report.json")) as f:
+        report = json.load(f)
+    result = {
+        "config": dataclasses.asdict(config),
+        "checkpoint_bytes": checkpoint_bytes,
+        "peak_rss_bytes": peak,
+        "peak_over_checkpoint": peak / checkpoint_bytes,
+        "limit": 1 / 3,
+        "passed": peak <= checkpoint_bytes / 3,
+        "compress_seconds": compress_seconds,
+        "compressed_bytes": report["model"]["compressed_bytes"],
+        "command": " ".join(command[1:]),
+    }
+    print(f"{'checkpoint':>14} {'peak RSS':>10} {'ratio':>7} {'limit':>7} {'time':>8}  pass")
+    print(f"{checkpoint_bytes / 2**30:>12.2f}Gi {peak / 2**30:>8.2f}Gi {peak / checkpoint_bytes:>7.3f} "
+          f"{1 / 3:>7.3f} {compress_seconds:>7.0f}s  {result['passed']}")
+    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(REPO, "benchmarks", "results", "streaming.json"), "w") as f:
+        json.dump(result, f, indent=1)
+    if not args.keep:
+        shutil.rmtree(args.work_dir)
+
+
+if __name__ == "__main__":
+    main()
