@@ -115,7 +115,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, config: Trai
     def step(params, opt_state, batch, rng):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
         return optax.apply_updates(params, updates), opt_state, metrics
 
     return step

@@ -1,0 +1,104 @@
+"""Validation loss of the bundled model: bf16 vs RTN vs GPTQ, ternary and 2-bit, over calibration amounts.
+
+The paper's Table 5 layout (method × grid rows, calibration-amount columns),
+with the paper's Switch figures quoted beside ours. The metric is the
+bundled corpus's validation span-corruption loss (nats/token), computed by
+``qmoe_jax.evaluate`` on the dequantized experts.
+
+    python benchmarks/quality.py            # 1× = 1024 calibration samples
+    python benchmarks/quality.py --quick    # 1× = 128 samples, 256 validation examples
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from qmoe_jax import bundled  # noqa: E402
+from qmoe_jax.checkpoints.compressed_model import load_compressed_model  # noqa: E402
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint  # noqa: E402
+from qmoe_jax.data import Tokenizer  # noqa: E402
+from qmoe_jax.evaluate import bundled_validation_examples, load_t5x_params, mean_cross_entropy  # noqa: E402
+from qmoe_jax.models import SwitchTransformer, get_config  # noqa: E402
+
+# The paper's C4 validation losses (QMoE, Frantar & Alistarh 2023), as DESIGN.md §1 quotes them.
+PAPER = {
+    "switch-base-128": {"bf16": 1.73, "ternary rtn": 4.54, "ternary gptq": 1.99},
+    "switch-c-2048": {"bf16": 1.18, "ternary rtn": 2.15, "ternary gptq": 1.26},
+}
+AMOUNTS = (0.5, 1.0, 2.0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num_samples", type=int, default=1024, help="calibration samples at 1×")
+    parser.add_argument("--validation_samples", type=int, default=None, help="default: the whole validation split")
+    parser.add_argument("--work_dir", default=os.path.join(REPO, "benchmarks", "results", "quality"))
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_samples, args.validation_samples = 128, 256
+
+    config = get_config(bundled.CONFIG_NAME)
+    tokenizer = Tokenizer(bundled.tokenizer_path())
+    examples = bundled_validation_examples(tokenizer, args.validation_samples)
+    model = SwitchTransformer(config)
+
+    def loss_of(params) -> float:
+        return mean_cross_entropy(model, params, examples, 32, bundled.INPUTS_LENGTH, bundled.DECODER_LENGTH)
+
+    results: dict = {"bf16": loss_of(load_t5x_params(bundled.checkpoint_path(), config)), "runs": []}
+    print(f"bf16: {results['bf16']:.4f} on {len(examples)} validation examples", flush=True)
+    runs = [("rtn", grid, None) for grid in ("ternary", "2bit")]
+    runs += [("gptq", grid, amount) for grid in ("ternary", "2bit") for amount in AMOUNTS]
+    for method, grid, amount in runs:
+        samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
+        name = f"{grid}-{method}" + ("" if amount is None else f"-{amount}x")
+        output_dir = os.path.join(args.work_dir, name)
+        started = time.time()
+        report = compress_checkpoint(
+            CompressionOptions(method=method, grid=grid, num_samples=samples, output_dir=output_dir),
+            log=lambda line: None, progress=False,
+        )
+        compressed = load_compressed_model(output_dir)
+        loss = loss_of(compressed.params)
+        run = {"method": method, "grid": grid, "amount": amount, "num_samples": samples, "loss": loss,
+               "increase": loss - results["bf16"], "bits_per_weight": report["moe"]["bits_per_weight"],
+               "fallback_experts": report["fallback_experts"], "seconds": time.time() - started}
+        results["runs"].append(run)
+        print(f"{name}: {loss:.4f} (+{run['increase']:.4f}), {run['bits_per_weight']:.3f} bits/weight, "
+              f"{run['seconds']:.0f}s", flush=True)
+
+    def cell(method, grid, amount):
+        for run in results["runs"]:
+            if run["method"] == method and run["grid"] == grid and (method == "rtn" or run["amount"] == amount):
+                return f"{run['loss']:.4f}"
+        return "-"
+
+    header = f"{'':<16}" + "".join(f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in AMOUNTS)
+    lines = [header, f"{'bf16':<16}" + f"{results['bf16']:>16.4f}" * len(AMOUNTS)]
+    for grid in ("ternary", "2bit"):
+        for method in ("rtn", "gptq"):
+            lines.append(f"{grid + ' ' + method:<16}" + "".join(f"{cell(method, grid, a):>16}" for a in AMOUNTS))
+    lines.append("paper (C4 loss, full calibration):")
+    for model_name, rows in PAPER.items():
+        lines.append("  " + model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items()))
+    ternary_rtn = next(r for r in results["runs"] if r["method"] == "rtn" and r["grid"] == "ternary")
+    ternary_gptq = next(r for r in results["runs"] if r["method"] == "gptq" and r["grid"] == "ternary" and r["amount"] == 1.0)
+    ratio = ternary_gptq["increase"] / ternary_rtn["increase"]
+    results["ternary_gptq_over_rtn_increase"] = ratio
+    lines.append(f"ternary GPTQ increase / RTN increase at 1x: {ratio:.3f} (goal <= 0.25)")
+    print("\n".join(lines))
+    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
+    with open(os.path.join(REPO, "benchmarks", "results", "quality.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
