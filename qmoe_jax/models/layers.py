@@ -27,7 +27,7 @@ def kernel_init(scale: float, distribution: str = "truncated_normal", divide_by:
     base = nn.initializers.variance_scaling(scale, "fan_in", distribution)
     if divide_by == 1.0:
         return base
-    return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype) / divide_by
+    return lambda key, shape, dtype=jnp.float32: (base(key, shape, dtype) / divide_by).astype(dtype)
 
 
 class DenseKernel(nn.Module):
@@ -157,17 +157,10 @@ class MultiHeadAttention(nn.Module):
 
     config: SwitchConfig
 
-    def setup(self):
-        cfg = self.config
-        inner = cfg.num_heads * cfg.d_kv
-        self.query = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv)))
-        self.key = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal"))
-        self.value = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal"))
-        self.out = DenseKernel(cfg.d_model, cfg, kernel_init(cfg.init_scale, "normal"))
-
     def _heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.d_kv)
 
+    @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array, mask: jax.Array | None,
                  bias: jax.Array | None, *, enable_dropout: bool = False,
                  cache_position: jax.Array | None = None) -> jax.Array:
@@ -183,9 +176,12 @@ class MultiHeadAttention(nn.Module):
           ``[B, L_q, d]``.
         """
         cfg = self.config
-        query = self._heads(self.query(inputs_q))
-        key = self._heads(self.key(inputs_kv))
-        value = self._heads(self.value(inputs_kv))
+        inner = cfg.num_heads * cfg.d_kv
+        init = kernel_init(cfg.init_scale, "normal")
+        query_init = kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv))
+        query = self._heads(DenseKernel(inner, cfg, query_init, name="query")(inputs_q))
+        key = self._heads(DenseKernel(inner, cfg, init, name="key")(inputs_kv))
+        value = self._heads(DenseKernel(inner, cfg, init, name="value")(inputs_kv))
         if cache_position is not None:
             # The first decode call creates a zero cache sized by its inputs
             # [B, L_max, ...]; later calls write their keys/values at
@@ -209,7 +205,8 @@ class MultiHeadAttention(nn.Module):
         weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
         weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
         context = jnp.einsum("bhqt,bthk->bqhk", weights, value.astype(cfg.jnp_dtype))
-        return self.out(context.reshape(*context.shape[:2], cfg.num_heads * cfg.d_kv))
+        context = context.reshape(*context.shape[:2], inner)
+        return DenseKernel(cfg.d_model, cfg, init, name="out")(context)
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
