@@ -378,7 +378,9 @@ def test_incremental_decoding_matches_teacher_forcing():
     logits, cache = decode_step(model, params, cache, encoded, encoder_tokens, decoder_inputs[:, :3])
     steps = [logits]
     for t in range(3, 6):
-        logits, cache = decode_step(model, params, cache, encoded, encoder_tokens, decoder_inputs[:, t:t + 1])
+        # Cross-attention keys/values come from the cache, not from `encoded`.
+        logits, cache = decode_step(model, params, cache, jnp.zeros_like(encoded), encoder_tokens,
+                                    decoder_inputs[:, t:t + 1])
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
     assert int(cache["decoder"]["cache_index"]) == 6

@@ -150,9 +150,11 @@ def dropout(x: jax.Array, rate: float, enable_dropout: bool, module: nn.Module,
 class MultiHeadAttention(nn.Module):
     """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
 
-    In decode mode (self-attention only) the keys and values of earlier steps
-    live in the ``cache`` collection as ``cached_key``/``cached_value
-    [B, L_max, h, k]``; the caller passes the write position.
+    In incremental decoding the ``cache`` collection holds ``cached_key``/
+    ``cached_value [B, L, h, k]``: for self-attention (``cache_position``
+    given) the keys/values of the steps so far (L = L_max); for cross-attention
+    (``cache_encoded=True``) the projected encoder outputs (L = L_enc), computed
+    once by the call that creates the cache.
     """
 
     config: SwitchConfig
@@ -163,7 +165,7 @@ class MultiHeadAttention(nn.Module):
     @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array, mask: jax.Array | None,
                  bias: jax.Array | None, *, enable_dropout: bool = False,
-                 cache_position: jax.Array | None = None) -> jax.Array:
+                 cache_position: jax.Array | None = None, cache_encoded: bool = False) -> jax.Array:
         """Attends ``inputs_q [B, L_q, d]`` to ``inputs_kv [B, L_k, d]``.
 
         Args:
@@ -172,6 +174,8 @@ class MultiHeadAttention(nn.Module):
           cache_position: int32 scalar; when given, the keys/values of this
             step are written into the cache at that position and the query
             attends to cache positions ``<= cache_position + i``.
+          cache_encoded: reuse the cached projections of ``inputs_kv`` (the
+            encoder outputs) after the call that creates them.
         Returns:
           ``[B, L_q, d]``.
         """
@@ -180,8 +184,15 @@ class MultiHeadAttention(nn.Module):
         init = kernel_init(cfg.init_scale, "normal")
         query_init = kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv))
         query = self._heads(DenseKernel(inner, cfg, query_init, name="query")(inputs_q))
-        key = self._heads(DenseKernel(inner, cfg, init, name="key")(inputs_kv))
-        value = self._heads(DenseKernel(inner, cfg, init, name="value")(inputs_kv))
+        if cache_encoded and self.has_variable("cache", "cached_key"):
+            key = self.get_variable("cache", "cached_key")
+            value = self.get_variable("cache", "cached_value")
+        else:
+            key = self._heads(DenseKernel(inner, cfg, init, name="key")(inputs_kv))
+            value = self._heads(DenseKernel(inner, cfg, init, name="value")(inputs_kv))
+            if cache_encoded:
+                self.put_variable("cache", "cached_key", key)
+                self.put_variable("cache", "cached_value", value)
         if cache_position is not None:
             # The first decode call creates a zero cache sized by its inputs
             # [B, L_max, ...]; later calls write their keys/values at

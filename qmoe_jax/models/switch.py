@@ -82,7 +82,8 @@ class DecoderLayer(nn.Module):
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
         h = RmsNorm(cfg, name="pre_cross_attention_layer_norm")(x) * logit_mask
         h = MultiHeadAttention(cfg, name="encoder_decoder_attention")(
-            h, encoded, cross_mask, None, enable_dropout=enable_dropout)
+            h, encoded, cross_mask, None, enable_dropout=enable_dropout,
+            cache_encoded=cache_position is not None)
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
         h = RmsNorm(cfg, name="pre_mlp_layer_norm")(x) * logit_mask
         h = _mlp(cfg, self.sparse, self.experts_cls)(h, enable_dropout=enable_dropout)
@@ -202,7 +203,9 @@ class SwitchTransformer(nn.Module):
         with ``decoder_input_tokens`` of the full decode length L and no
         ``cache`` collection, creates a zero cache (its logits are not
         meaningful); each later call feeds the next L_q tokens (usually 1), which
-        attend to all earlier ones. ``decoding.init_cache`` wraps the first call.
+        attend to all earlier ones. The cache also keeps the cross-attention
+        keys/values of ``encoded`` from the first call, so later calls must pass
+        the same encoder outputs. ``decoding.init_cache`` wraps the first call.
         """
         return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
                             enable_dropout=enable_dropout, decode=decode)
