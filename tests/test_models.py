@@ -11,7 +11,7 @@ from flax import traverse_util
 
 from qmoe_jax.models import (MlpExperts, MoeLayer, SwitchConfig, SwitchTransformer, config_names,
                              expert_capacity, get_config, num_groups, router_metrics)
-from qmoe_jax.models.decoding import decode_step, greedy_generate, init_cache
+from qmoe_jax.models import decode_step, greedy_generate, init_cache, param_shapes
 from qmoe_jax.models.layers import relative_position_bucket
 
 # Eval capacity factor E gives each expert a whole group: no token ever drops
@@ -100,7 +100,7 @@ def run(module, params, *args, **kwargs):
     return _jitted_apply(module, {"params": params}, *args, **kwargs)
 
 
-def param_shapes(params):
+def flat_shapes(params):
     return {k: v.shape for k, v in traverse_util.flatten_dict(params, sep="/").items()}
 
 
@@ -153,8 +153,17 @@ def test_config_dict_round_trip():
 # ---------------------------------------------------------------- param tree
 
 def test_param_tree_is_t5x():
-    _, params, _, _ = init(TINY)
-    assert param_shapes(params) == TINY_TREE
+    tree = param_shapes(TINY)
+    assert {k: v.shape for k, v in traverse_util.flatten_dict(tree, sep="/").items()} == TINY_TREE
+    assert {v.dtype for v in jax.tree.leaves(tree)} == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("name, count", [
+    ("switch-c-2048", 1_571_327_875_360),  # the Switch paper's 1571B
+    ("switch-mini-8", 6_052_864),
+])
+def test_parameter_counts(name, count):
+    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(param_shapes(get_config(name)))) == count
 
 
 def test_initializers_follow_t5x():
@@ -177,7 +186,7 @@ def test_initializers_follow_t5x():
 def test_gated_untied_tree_and_forward():
     config = dataclasses.replace(TINY, mlp_activations=("gelu", "linear"), logits_dense=True)
     model, params, encoder_tokens, targets = init(config)
-    shapes = param_shapes(params)
+    shapes = flat_shapes(params)
     expected = {k: v for k, v in TINY_TREE.items() if "/wi/" not in k}
     for stack in ("encoder", "decoder"):
         for gate in ("wi_0", "wi_1"):
@@ -305,7 +314,7 @@ class ScaledExperts(nn.Module):
 
 def test_experts_layer_is_pluggable():
     model, params, encoder_tokens, targets = init(TINY, experts_cls=ScaledExperts)
-    shapes = param_shapes(params)
+    shapes = flat_shapes(params)
     assert shapes["encoder/layers_1/mlp/expert/scale"] == (4, 1, 1)
     assert not any("/expert/wi" in k for k in shapes)
     logits = run(model, params, encoder_tokens, shift_right(targets), targets)
@@ -384,6 +393,8 @@ def test_incremental_decoding_matches_teacher_forcing():
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
     assert int(cache["decoder"]["cache_index"]) == 6
+    past_end, _ = decode_step(model, params, cache, encoded, encoder_tokens, decoder_inputs[:, :1])
+    assert bool(jnp.isnan(past_end).all())
 
 
 def test_greedy_generate_is_argmax_and_stops_at_eos():

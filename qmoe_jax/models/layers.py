@@ -173,7 +173,8 @@ class MultiHeadAttention(nn.Module):
           bias: float ``[1, h, L_q, L_k]`` position bias or None.
           cache_position: int32 scalar; when given, the keys/values of this
             step are written into the cache at that position and the query
-            attends to cache positions ``<= cache_position + i``.
+            attends to cache positions ``<= cache_position + i``; outputs are
+            NaN if the step runs past the end of the cache.
           cache_encoded: reuse the cached projections of ``inputs_kv`` (the
             encoder outputs) after the call that creates them.
         Returns:
@@ -217,7 +218,12 @@ class MultiHeadAttention(nn.Module):
         weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
         context = jnp.einsum("bhqt,bthk->bqhk", weights, value.astype(cfg.jnp_dtype))
         context = context.reshape(*context.shape[:2], inner)
-        return DenseKernel(cfg.d_model, cfg, init, name="out")(context)
+        out = DenseKernel(cfg.d_model, cfg, init, name="out")(context)
+        if cache_position is not None:
+            # Feeding past the cache's end has no meaningful answer: NaN, not a clamp.
+            overflow = cache_position + query.shape[1] > key.shape[1]
+            out = jnp.where(overflow, jnp.nan, out).astype(out.dtype)
+        return out
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:

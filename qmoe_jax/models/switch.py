@@ -215,3 +215,14 @@ class SwitchTransformer(nn.Module):
         encoded = self.encode(encoder_input_tokens, enable_dropout=enable_dropout)
         return self.decode(encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
                            enable_dropout=enable_dropout)
+
+
+def param_shapes(config: SwitchConfig, experts_cls: Any = MlpExperts) -> dict:
+    """The parameter tree as ``jax.ShapeDtypeStruct`` leaves, without allocating anything.
+
+    E.g. to check a checkpoint against a config, or to restore into a shape-only
+    tree. Works for every config, switch-c-2048 included.
+    """
+    model = SwitchTransformer(config, experts_cls)
+    tokens = jnp.ones((1, 1), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens, tokens, tokens)["params"]
