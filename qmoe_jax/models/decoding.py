@@ -19,6 +19,7 @@ Params = Any
 Cache = Any
 
 
+@functools.partial(jax.jit, static_argnames=("model", "max_decode_length"))
 def init_cache(model: SwitchTransformer, params: Params, encoded: jax.Array,
                encoder_input_tokens: jax.Array, max_decode_length: int) -> Cache:
     """Creates an empty decoder cache for ``B = encoded.shape[0]`` sequences of L_max tokens.
@@ -39,6 +40,7 @@ def init_cache(model: SwitchTransformer, params: Params, encoded: jax.Array,
     return variables["cache"]
 
 
+@functools.partial(jax.jit, static_argnames=("model",))
 def decode_step(model: SwitchTransformer, params: Params, cache: Cache, encoded: jax.Array,
                 encoder_input_tokens: jax.Array, tokens: jax.Array) -> tuple[jax.Array, Cache]:
     """Feeds ``tokens int32[B, L_q]`` at the cache's current position.
@@ -53,7 +55,7 @@ def decode_step(model: SwitchTransformer, params: Params, cache: Cache, encoded:
     return logits, variables["cache"]
 
 
-@functools.partial(jax.jit, static_argnames=("model", "max_decode_length", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("model", "max_decode_length"))
 def greedy_generate(model: SwitchTransformer, params: Params, encoder_input_tokens: jax.Array,
                     max_decode_length: int, eos_id: int = 1) -> jax.Array:
     """Greedy decoding: argmax token at each step, until EOS or L_max tokens.
@@ -61,7 +63,8 @@ def greedy_generate(model: SwitchTransformer, params: Params, encoder_input_toke
     Args:
       encoder_input_tokens: ``int32[B, L_enc]``, padded with 0.
       max_decode_length: L_max, tokens generated per sequence.
-      eos_id: end-of-sequence id (T5: 1); later positions are 0.
+      eos_id: end-of-sequence id (T5: 1); later positions are 0. Traced, so
+        changing it does not recompile; -1 never stops.
     Returns:
       ``int32[B, L_max]`` generated tokens (the start token is not included).
     """

@@ -27,7 +27,7 @@ def kernel_init(scale: float, distribution: str = "truncated_normal", divide_by:
     base = nn.initializers.variance_scaling(scale, "fan_in", distribution)
     if divide_by == 1.0:
         return base
-    return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype) / divide_by
+    return lambda key, shape, dtype=jnp.float32: (base(key, shape, dtype) / divide_by).astype(dtype)
 
 
 class DenseKernel(nn.Module):
@@ -150,27 +150,22 @@ def dropout(x: jax.Array, rate: float, enable_dropout: bool, module: nn.Module,
 class MultiHeadAttention(nn.Module):
     """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
 
-    In decode mode (self-attention only) the keys and values of earlier steps
-    live in the ``cache`` collection as ``cached_key``/``cached_value
-    [B, L_max, h, k]``; the caller passes the write position.
+    In incremental decoding the ``cache`` collection holds ``cached_key``/
+    ``cached_value [B, L, h, k]``: for self-attention (``cache_position``
+    given) the keys/values of the steps so far (L = L_max); for cross-attention
+    (``cache_encoded=True``) the projected encoder outputs (L = L_enc), computed
+    once by the call that creates the cache.
     """
 
     config: SwitchConfig
 
-    def setup(self):
-        cfg = self.config
-        inner = cfg.num_heads * cfg.d_kv
-        self.query = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv)))
-        self.key = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal"))
-        self.value = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal"))
-        self.out = DenseKernel(cfg.d_model, cfg, kernel_init(cfg.init_scale, "normal"))
-
     def _heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.d_kv)
 
+    @nn.compact
     def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array, mask: jax.Array | None,
                  bias: jax.Array | None, *, enable_dropout: bool = False,
-                 cache_position: jax.Array | None = None) -> jax.Array:
+                 cache_position: jax.Array | None = None, cache_encoded: bool = False) -> jax.Array:
         """Attends ``inputs_q [B, L_q, d]`` to ``inputs_kv [B, L_k, d]``.
 
         Args:
@@ -178,14 +173,27 @@ class MultiHeadAttention(nn.Module):
           bias: float ``[1, h, L_q, L_k]`` position bias or None.
           cache_position: int32 scalar; when given, the keys/values of this
             step are written into the cache at that position and the query
-            attends to cache positions ``<= cache_position + i``.
+            attends to cache positions ``<= cache_position + i``; outputs are
+            NaN if the step runs past the end of the cache.
+          cache_encoded: reuse the cached projections of ``inputs_kv`` (the
+            encoder outputs) after the call that creates them.
         Returns:
           ``[B, L_q, d]``.
         """
         cfg = self.config
-        query = self._heads(self.query(inputs_q))
-        key = self._heads(self.key(inputs_kv))
-        value = self._heads(self.value(inputs_kv))
+        inner = cfg.num_heads * cfg.d_kv
+        init = kernel_init(cfg.init_scale, "normal")
+        query_init = kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv))
+        query = self._heads(DenseKernel(inner, cfg, query_init, name="query")(inputs_q))
+        if cache_encoded and self.has_variable("cache", "cached_key"):
+            key = self.get_variable("cache", "cached_key")
+            value = self.get_variable("cache", "cached_value")
+        else:
+            key = self._heads(DenseKernel(inner, cfg, init, name="key")(inputs_kv))
+            value = self._heads(DenseKernel(inner, cfg, init, name="value")(inputs_kv))
+            if cache_encoded:
+                self.put_variable("cache", "cached_key", key)
+                self.put_variable("cache", "cached_value", value)
         if cache_position is not None:
             # The first decode call creates a zero cache sized by its inputs
             # [B, L_max, ...]; later calls write their keys/values at
@@ -209,7 +217,13 @@ class MultiHeadAttention(nn.Module):
         weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
         weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
         context = jnp.einsum("bhqt,bthk->bqhk", weights, value.astype(cfg.jnp_dtype))
-        return self.out(context.reshape(*context.shape[:2], cfg.num_heads * cfg.d_kv))
+        context = context.reshape(*context.shape[:2], inner)
+        out = DenseKernel(cfg.d_model, cfg, init, name="out")(context)
+        if cache_position is not None:
+            # Feeding past the cache's end has no meaningful answer: NaN, not a clamp.
+            overflow = cache_position + query.shape[1] > key.shape[1]
+            out = jnp.where(overflow, jnp.nan, out).astype(out.dtype)
+        return out
 
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:

@@ -106,7 +106,8 @@ class DecoderLayer(nn.Module):
         h = self.self_attention(h, h, self_mask, bias, enable_dropout=enable_dropout, cache_position=cache_position)
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
         h = self.pre_cross_attention_layer_norm(x) * logit_mask
-        h = self.encoder_decoder_attention(h, encoded, cross_mask, None, enable_dropout=enable_dropout)
+        h = self.encoder_decoder_attention(h, encoded, cross_mask, None, enable_dropout=enable_dropout,
+                                           cache_encoded=cache_position is not None)
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
         return x, self.pre_mlp_layer_norm(x) * logit_mask
 
@@ -231,7 +232,9 @@ class SwitchTransformer(nn.Module):
         with ``decoder_input_tokens`` of the full decode length L and no
         ``cache`` collection, creates a zero cache (its logits are not
         meaningful); each later call feeds the next L_q tokens (usually 1), which
-        attend to all earlier ones. ``decoding.init_cache`` wraps the first call.
+        attend to all earlier ones. The cache also keeps the cross-attention
+        keys/values of ``encoded`` from the first call, so later calls must pass
+        the same encoder outputs. ``decoding.init_cache`` wraps the first call.
         """
         return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
                             enable_dropout=enable_dropout, decode=decode)
@@ -241,3 +244,14 @@ class SwitchTransformer(nn.Module):
         encoded = self.encode(encoder_input_tokens, enable_dropout=enable_dropout)
         return self.decode(encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
                            enable_dropout=enable_dropout)
+
+
+def param_shapes(config: SwitchConfig, experts_cls: Any = MlpExperts) -> dict:
+    """The parameter tree as ``jax.ShapeDtypeStruct`` leaves, without allocating anything.
+
+    E.g. to check a checkpoint against a config, or to restore into a shape-only
+    tree. Works for every config, switch-c-2048 included.
+    """
+    model = SwitchTransformer(config, experts_cls)
+    tokens = jnp.ones((1, 1), jnp.int32)
+    return jax.eval_shape(model.init, jax.random.PRNGKey(0), tokens, tokens, tokens)["params"]
