@@ -123,13 +123,6 @@ def dequantize_call(static: Static, codes, row_offsets, minmax):
     )
 
 
-def _zero_cotangent(array):
-    dtype = jnp.result_type(array)
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return jnp.zeros(jnp.shape(array), dtype)
-    return np.zeros(jnp.shape(array), jax.dtypes.float0)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def matmul(static: Static, codes, row_offsets, minmax, x):
     """``matmul_call`` with the input gradient Wᵀ·g; W itself gets zero cotangents."""
@@ -141,9 +134,8 @@ def _matmul_forward(static, codes, row_offsets, minmax, x):
 
 
 def _matmul_backward(static, residuals, g):
-    codes, row_offsets, minmax = residuals
-    dx = matmul_transposed_call(static, codes, row_offsets, minmax, g)
-    return (*(_zero_cotangent(a) for a in residuals), dx)
+    # None: a zero cotangent of the right type (float0 for the integer arrays).
+    return None, None, None, matmul_transposed_call(static, *residuals, g)
 
 
 matmul.defvjp(_matmul_forward, _matmul_backward)

@@ -12,7 +12,7 @@ Autodiff: the compressed weights are frozen (their cotangents are zero, as
 in QMoE fine-tuning of the dense layers); the input gradient Wᵀ·g is another
 fused call on the compressed form. vmap folds mapped axes into the kernels'
 leading batch dims; a stack sharded over devices along E runs expert-locally
-under ``jax.shard_map`` (see ``expert_sharded``).
+under ``jax.shard_map`` (``expert_parallel``).
 
 Every op has a pure-jnp twin with the same signature (``*_reference``) that
 decodes through the dictionary's masks; tests hold the kernels to them.
@@ -130,6 +130,38 @@ def matmul(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
       [N, rows] (or [E, C, rows]) in the dtype of x_tokens.
     """
     return _apply(_kernels.matmul, w, _token_input(w, x_tokens), dictionary)
+
+
+def expert_parallel(op: Callable, mesh: jax.sharding.Mesh, axis: str = "expert") -> Callable:
+    """Runs ``op`` expert-locally on a stack sharded over devices along E.
+
+    Args:
+      op: ``matvec``, ``matmul`` or a twin, called as op(w, x, dictionary).
+      mesh: a mesh with an axis named ``axis``; E must divide by its size.
+      axis: the mesh axis the experts are sharded over.
+
+    Returns:
+      f(w: CompressedExperts, x [E, ...], dictionary) -> [E, ...], sharded
+      along E. Each device calls the kernel on its own experts (one call for
+      all of them), so neither weights nor tokens are all-gathered. Inside
+      your own ``jax.shard_map``, call the ops directly with
+      ``check_vma=False``, as here.
+    """
+    spec = jax.sharding.PartitionSpec(axis)
+
+    def sharded(w: CompressedExperts, x, dictionary: Dictionary) -> jax.Array:
+        # check_vma=False: FFI results carry no varying-axes type, which the
+        # input gradient of a custom_vjp would otherwise have to match.
+        local = jax.shard_map(
+            lambda w, x: op(w, x, dictionary),
+            mesh=mesh,
+            in_specs=(spec, spec),
+            out_specs=spec,
+            check_vma=False,
+        )
+        return local(w, x)
+
+    return sharded
 
 
 def dequantize(w: Compressed, dictionary: Dictionary) -> jax.Array:
