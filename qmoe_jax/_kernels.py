@@ -33,6 +33,7 @@ PLUS_SLOTS = 8
 MINUS_SLOTS = 7
 UNUSED_SLOT = 31
 SLOTS_OVERFLOW = 0x80
+SLOTS_TABLE_OVERFLOWS = 0x40
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -64,7 +65,8 @@ def slots_from_masks(masks: np.ndarray) -> np.ndarray:
       masks: uint32[65536, 2], ``Dictionary.masks``.
 
     Returns:
-      uint8[65536, 16]: plus positions, minus positions, then the entry length.
+      uint8[65536, 16]: plus positions, minus positions, then the entry length
+      and flags (entry 0 also flags whether any entry overflows).
     """
     masks = np.asarray(masks, np.uint32)
     weight_bits = np.arange(28, dtype=np.uint32)
@@ -75,6 +77,7 @@ def slots_from_masks(masks: np.ndarray) -> np.ndarray:
     overflow = (plus_count > PLUS_SLOTS) | (minus_count > MINUS_SLOTS)
     length = 2 * (masks[:, 0] >> 28)
     meta = length | np.where(overflow, SLOTS_OVERFLOW, 0)
+    meta[0] |= SLOTS_TABLE_OVERFLOWS if overflow.any() else 0
     return np.concatenate([plus_slots, minus_slots, meta[:, None]], axis=1).astype(np.uint8)
 
 

@@ -40,15 +40,16 @@
 // QMOE_CPU_ISA=avx512|avx2|portable forces one (for tests and benchmarks).
 #pragma once
 
-#include <string>
-#include <vector>
+#include <pybind11/pybind11.h>
 
 #include "xla/ffi/api/api.h"
 
 namespace qmoe::cpu {
 
-// Instruction sets this CPU runs, fastest first (always ends with "portable").
-std::vector<std::string> SupportedIsas();
+// Adds to the extension module: registrations() -> {platform: {target:
+// handler capsule}} and cpu_isas() -> instruction sets this CPU runs,
+// fastest first.
+void RegisterCpuKernels(pybind11::module_& module);
 
 }  // namespace qmoe::cpu
 

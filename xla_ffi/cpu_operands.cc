@@ -150,7 +150,9 @@ ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buf
       return error;
     }
   }
-  operands->dictionary = {masks.typed_data(), slots.typed_data()};
+  const uint8_t* slot_table = slots.typed_data();
+  operands->dictionary = {masks.typed_data(), slot_table,
+                          (slot_table[kSlotMetaByte] & kSlotsTableOverflows) != 0};
   operands->rows = rows;
   operands->cols = cols;
   operands->padded_cols = PaddedCols(cols);

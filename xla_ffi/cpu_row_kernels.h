@@ -31,16 +31,26 @@ inline constexpr int64_t kIndexSlack = 32;
 struct DictionaryView {
   const uint32_t* masks;  // [65536][2]
   const uint8_t* slots;   // [65536][16]
+  bool slots_overflow;    // some entry overflows its slots (kSlotsTableOverflows)
+};
+
+// Rows [begin, end) of one compressed matrix.
+struct RowSpan {
+  const uint16_t* codes;
+  const int32_t* row_offsets;  // validated
+  int64_t begin;
+  int64_t end;
 };
 
 struct RowKernels {
   const char* isa;
-  // Sums x over the row's plus and minus weights. `x` holds padded_cols +
-  // kDensePad floats, zero from `cols` on. Returns false unless the codes
-  // decode to exactly `padded_cols` weights.
-  bool (*row_dot)(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
-                  const float* x, int64_t padded_cols, float* plus_sum, float* minus_sum);
-  // Lists the positions of the row's plus and minus weights in ascending
+  // For each row r of `rows`, sums x over its plus and minus weights into
+  // plus_sums[r - begin] and minus_sums[r - begin]. `x` holds padded_cols +
+  // kDensePad floats, zero from `cols` on. Returns the first row whose codes
+  // do not decode to exactly `padded_cols` weights, or rows.end.
+  int64_t (*rows_dot)(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
+                      int64_t padded_cols, float* plus_sums, float* minus_sums);
+  // Lists the positions of one row's plus and minus weights in ascending
   // order. Each list needs room for padded_cols + kIndexSlack entries.
   // Returns false unless the codes decode to exactly `padded_cols` weights.
   bool (*row_nonzeros)(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
@@ -75,6 +85,21 @@ inline void EntryBits(const DictionaryView& dictionary, uint16_t code, uint32_t 
   const uint32_t within = kWeightMask & ((1u << length) - 1u);  // length <= 31
   *plus = entry[0] & within;
   *minus = entry[1] & within;
+}
+
+// rows_dot for instruction sets that decode one row at a time.
+template <bool (*RowDot)(const DictionaryView&, const uint16_t*, int64_t, const float*, int64_t,
+                         float*, float*)>
+int64_t RowsDotOneByOne(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
+                        int64_t padded_cols, float* plus_sums, float* minus_sums) {
+  for (int64_t r = rows.begin; r < rows.end; ++r) {
+    const int32_t begin = rows.row_offsets[r];
+    if (!RowDot(dictionary, rows.codes + begin, rows.row_offsets[r + 1] - begin, x, padded_cols,
+                &plus_sums[r - rows.begin], &minus_sums[r - rows.begin])) {
+      return r;
+    }
+  }
+  return rows.end;
 }
 
 }  // namespace qmoe::cpu

@@ -108,7 +108,7 @@ bool CpuHasAvx2() {
 
 const RowKernels& Avx2RowKernels() {
   // Listing nonzero positions is branchy bit iteration on any instruction set.
-  static const RowKernels kernels{"avx2", RowDot, PortableRowKernels().row_nonzeros,
+  static const RowKernels kernels{"avx2", RowsDotOneByOne<RowDot>, PortableRowKernels().row_nonzeros,
                                   GatherTokenRows, ScatterTokenRows};
   return kernels;
 }

@@ -65,7 +65,7 @@ void ScatterTokenRows(float* table, const int32_t* index, int64_t count, const f
 }  // namespace
 
 const RowKernels& PortableRowKernels() {
-  static const RowKernels kernels{"portable", RowDot, RowNonzeros, GatherTokenRows,
+  static const RowKernels kernels{"portable", RowsDotOneByOne<RowDot>, RowNonzeros, GatherTokenRows,
                                   ScatterTokenRows};
   return kernels;
 }

@@ -20,7 +20,9 @@
 //                then kUnusedSlot;
 //   bytes 8..14  positions of its minus weights, ascending, then kUnusedSlot;
 //   byte 15      2*pair_count, | kSlotsOverflow if the entry has more than 8
-//                plus or 7 minus weights (kernels then read its masks).
+//                plus or 7 minus weights (kernels then read its masks);
+//                entry 0 also carries kSlotsTableOverflows if any entry of
+//                the table overflows, so kernels check entries only then.
 // With p0 = 0.885 no entry overflows, and a codeword carries ~2.5 nonzero
 // weights on average: a kernel picks them out of a 32-weight window of x with
 // one permute instead of masking all 28 lanes twice.
@@ -49,6 +51,7 @@ inline constexpr int kMinusSlots = 7;
 inline constexpr int kSlotMetaByte = 15;
 inline constexpr uint8_t kUnusedSlot = 31;
 inline constexpr uint8_t kSlotsOverflow = 0x80;
+inline constexpr uint8_t kSlotsTableOverflows = 0x40;
 inline constexpr uint8_t kSlotLengthMask = 0x1F;
 
 }  // namespace qmoe
