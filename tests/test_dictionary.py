@@ -82,3 +82,14 @@ def test_corrupt_entries_rejected():
         Dictionary.from_entries(entries, 0.885)
     with pytest.raises(ValueError, match="shape"):
         Dictionary.from_entries(entries[:10], 0.885)
+
+
+def test_non_ternary_or_stray_weights_rejected():
+    entries = build_dictionary(0.885).entries.copy()
+    entries[5, 0] |= np.uint32(3 << 4)  # Weight code 3 in a used slot.
+    with pytest.raises(ValueError, match="entry 5 holds weight code 3"):
+        Dictionary.from_entries(entries, 0.885)
+    entries = build_dictionary(0.885).entries.copy()
+    entries[9, 1] |= np.uint32(1 << 30)  # A weight past the pair count.
+    with pytest.raises(ValueError, match="entry 9 holds"):
+        Dictionary.from_entries(entries, 0.885)

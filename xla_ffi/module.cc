@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "cpu_kernels.h"
+#include "encoder.h"
 
 namespace py = pybind11;
 
@@ -13,5 +14,6 @@ PYBIND11_MODULE(_qmoe_ext, m) {
 #else
   m.attr("with_cuda") = false;
 #endif
+  qmoe::RegisterEncoder(m);
   qmoe::cpu::RegisterCpuKernels(m);
 }

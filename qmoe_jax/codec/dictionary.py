@@ -137,7 +137,7 @@ class Dictionary:
             raise ValueError(
                 f"dictionary entries must have shape ({NUM_ENTRIES}, 2), got {entries.shape}"
             )
-        _, pair_count = entry_weights(entries)
+        weights, pair_count = entry_weights(entries)
         if (pair_count < 1).any() or (pair_count > MAX_PAIRS).any():
             bad = int(np.argmax((pair_count < 1) | (pair_count > MAX_PAIRS)))
             raise ValueError(
@@ -146,6 +146,13 @@ class Dictionary:
             )
         if (entries[:, 1] & 15 != entries[:, 0] & 15).any():
             raise ValueError("dictionary entries disagree on the pair count in their two words")
+        used = np.arange(2 * MAX_PAIRS)[None, :] < 2 * pair_count[:, None]
+        bad_slots = np.where(used, weights > 2, weights != 0).any(axis=1)
+        if bad_slots.any():
+            raise ValueError(
+                f"dictionary entry {int(np.argmax(bad_slots))} holds weight code 3 or a non-zero weight "
+                "past its pair count; the dictionary is corrupt"
+            )
         entries.setflags(write=False)
         masks = masks_from_entries(entries)
         masks.setflags(write=False)

@@ -1,0 +1,202 @@
+"""Compressing one sparse layer's experts, group by group (QMoE §3.2–3.4).
+
+Lingo: the layer's MLP inputs of every calibration token sit in ``inputs [n, d]``
+(buffer order); routing says which expert each token went to (``expert``), its
+gate, and whether it was ``kept`` (within capacity). A *group* is |E| experts
+(``group_size``) processed together: their tokens are gathered, padded to one
+length, turned into Hessians (premasked and capped at 4× the mean tokens per
+expert), quantized by vmapped GPTQ, and then every kept token of the group
+runs through the *quantized* experts; its gated output is written back.
+Kernels are fetched from the checkpoint one group at a time.
+
+Orientation: T5X kernels are ``wi [E, d, f]``, ``wo [E, f, d]`` (y = x·K);
+GPTQ and the compressed format use W = Kᵀ (rows = outputs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmoe_jax.calibration.sublayers import expert_hidden, expert_outputs
+from qmoe_jax.models import SwitchConfig
+from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, expert_hessians, quantize_expert_group
+from qmoe_jax.quant import cap_tokens, rtn, token_cap
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertCompressionConfig:
+    """How experts are quantized.
+
+    Attributes:
+      grid: per-row grid (ternary, or k-bit min-max).
+      method: "gptq", or "rtn" (identity Hessian).
+      group_size: experts per vmapped GPTQ call (|E|).
+      gptq: solver options (damping, block size, act-order).
+      true_sequential: the output kernel's Hessian uses the *quantized* input
+        kernels' activations (off: original activations, as QMoE).
+      token_cap_factor: Hessian tokens per expert are capped at this × the mean.
+    """
+
+    grid: GridConfig = GridConfig()
+    method: str = "gptq"
+    group_size: int = 16
+    gptq: GPTQConfig = GPTQConfig()
+    true_sequential: bool = False
+    token_cap_factor: float = 4.0
+
+    def __post_init__(self):
+        if self.method not in ("gptq", "rtn"):
+            raise ValueError(f"method must be 'gptq' or 'rtn', got {self.method!r}")
+        if self.group_size < 1:
+            raise ValueError(f"group_size must be at least 1, got {self.group_size}")
+
+
+@dataclasses.dataclass
+class QuantizedKernel:
+    """One kernel of a group of experts: codes uint8[g, rows, cols] and grid params [g, rows, 2]."""
+
+    codes: np.ndarray
+    grid_params: np.ndarray
+
+
+def input_kernel_names(config: SwitchConfig) -> list[str]:
+    return ["wi"] if len(config.mlp_activations) == 1 else [f"wi_{i}" for i in range(len(config.mlp_activations))]
+
+
+def kernel_names(config: SwitchConfig) -> list[str]:
+    return input_kernel_names(config) + ["wo"]
+
+
+def _bucket(n: int) -> int:
+    """Padded token count: the next power of two (at least 8), to bound the number of jit shapes."""
+    return max(8, 1 << max(0, n - 1).bit_length())
+
+
+def dequantized_t5x_kernel(kernel: QuantizedKernel, grid: GridConfig) -> jax.Array:
+    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back)."""
+    weights = jax.vmap(lambda c, p: dequantize_codes(c, p, grid))(jnp.asarray(kernel.codes), jnp.asarray(kernel.grid_params))
+    return jnp.swapaxes(weights, 1, 2)
+
+
+@dataclasses.dataclass
+class GroupTokens:
+    """The tokens of a group of experts, gathered and padded.
+
+    Attributes:
+      rows: int64[g, n] buffer rows of each expert's kept tokens (0 where padding).
+      valid: bool[g, n], real tokens.
+      hessian_mask: bool[g, n], tokens that feed the Hessians (premasked and capped).
+    """
+
+    rows: np.ndarray
+    valid: np.ndarray
+    hessian_mask: np.ndarray
+
+
+def gather_group(order: np.ndarray, starts: np.ndarray, experts: range, premask: np.ndarray, cap: int) -> GroupTokens:
+    """Buffer rows of the kept tokens of ``experts``, from the expert-sorted token ``order``."""
+    counts = np.asarray([starts[e + 1] - starts[e] for e in experts])
+    width = _bucket(int(counts.max(initial=0)))
+    rows = np.zeros((len(experts), width), np.int64)
+    valid = np.zeros((len(experts), width), bool)
+    for slot, e in enumerate(experts):
+        members = order[starts[e] : starts[e + 1]]
+        rows[slot, : members.size] = members
+        valid[slot, : members.size] = True
+    hessian_mask = np.asarray(cap_tokens(jnp.asarray(valid & premask[rows]), cap))
+    return GroupTokens(rows, valid, hessian_mask)
+
+
+_rtn_experts = jax.jit(jax.vmap(rtn, in_axes=(0, None)), static_argnums=1)
+
+
+def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, kernels: dict[str, np.ndarray],
+                     inputs: np.ndarray, tokens: GroupTokens, mesh=None) -> tuple[dict[str, QuantizedKernel], np.ndarray, dict]:
+    """GPTQ (or RTN) of one group's kernels.
+
+    Args:
+      kernels: T5X-oriented float kernels of the group, e.g. ``{"wi": [g, d, f], "wo": [g, f, d]}``.
+      inputs: float32[g, n, d], the group's gathered MLP inputs.
+      tokens: which of them are real and which feed the Hessians.
+
+    Returns:
+      (quantized kernels by name, fallback bool[g], seconds by stage).
+    """
+    seconds = {"hessian": 0.0, "gptq": 0.0}
+    quantized: dict[str, QuantizedKernel] = {}
+    fallback = np.zeros(len(tokens.rows), bool)
+    names = input_kernel_names(config)
+
+    def weights_of(name: str) -> jax.Array:
+        return jnp.swapaxes(jnp.asarray(kernels[name], jnp.float32), 1, 2)
+
+    if settings.method == "rtn":
+        started = time.perf_counter()
+        for name in names + ["wo"]:
+            codes, params = _rtn_experts(weights_of(name), settings.grid)
+            quantized[name] = QuantizedKernel(np.asarray(codes), np.asarray(params))
+        seconds["gptq"] += time.perf_counter() - started
+        return quantized, fallback, seconds
+
+    def timed_hessians(x):
+        started = time.perf_counter()
+        hessians, counts = expert_hessians(x, mask)
+        hessians.block_until_ready()
+        seconds["hessian"] += time.perf_counter() - started
+        return hessians, counts
+
+    def run(name: str, hessians, counts):
+        nonlocal fallback
+        started = time.perf_counter()
+        result = quantize_expert_group(weights_of(name), hessians, counts, settings.grid, settings.gptq, mesh=mesh)
+        quantized[name] = QuantizedKernel(np.asarray(result.codes), np.asarray(result.grid_params))
+        fallback = fallback | np.asarray(result.fallback)
+        seconds["gptq"] += time.perf_counter() - started
+
+    mask = jnp.asarray(tokens.hessian_mask)
+    x = jnp.asarray(inputs)
+    input_hessians, counts = timed_hessians(x)
+    for name in names:
+        run(name, input_hessians, counts)
+    del input_hessians
+    if settings.true_sequential:
+        in_kernels = [dequantized_t5x_kernel(quantized[n], settings.grid) for n in names]
+    else:
+        in_kernels = [jnp.asarray(kernels[n], jnp.float32) for n in names]
+    hidden = jax.vmap(lambda xs, *ks: expert_hidden(config, list(ks), xs))(x, *in_kernels)
+    output_hessians, counts = timed_hessians(hidden)
+    run("wo", output_hessians, counts)
+    return quantized, fallback, seconds
+
+
+def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, QuantizedKernel],
+                  inputs: np.ndarray, gates: np.ndarray) -> np.ndarray:
+    """Gated outputs ``[g, n, d]`` of the group's tokens through the quantized experts."""
+    names = input_kernel_names(config)
+    in_kernels = [dequantized_t5x_kernel(quantized[n], grid) for n in names]
+    out_kernel = dequantized_t5x_kernel(quantized["wo"], grid)
+    outputs = [
+        expert_outputs(config, [k[e] for k in in_kernels], out_kernel[e], jnp.asarray(inputs[e]), jnp.asarray(gates[e]))
+        for e in range(inputs.shape[0])
+    ]
+    return np.asarray(jnp.stack(outputs))
+
+
+def sort_by_expert(expert: np.ndarray, kept: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(order, starts): kept token rows grouped by expert in buffer order; expert e owns order[starts[e]:starts[e+1]]."""
+    kept_rows = np.flatnonzero(kept)
+    order = kept_rows[np.argsort(expert[kept_rows], kind="stable")]
+    counts = np.bincount(expert[kept_rows], minlength=num_experts)
+    return order, np.concatenate([[0], np.cumsum(counts)])
+
+
+def hessian_token_cap(premask: np.ndarray, order: np.ndarray, starts: np.ndarray, factor: float) -> int:
+    counts = np.add.reduceat(premask[order].astype(np.int64), starts[:-1]) if order.size else np.zeros(starts.size - 1)
+    counts = np.where(np.diff(starts) == 0, 0, counts)
+    return int(token_cap(jnp.asarray(counts), factor))
+

@@ -1,0 +1,98 @@
+"""Loading a compressed checkpoint as model parameters.
+
+Two forms of the expert kernels:
+- "dense": dequantized to T5X's ``expert/<kernel>/kernel [E, in, out]``, for the
+  plain ``MlpExperts`` layer (quality evaluation, reference numerics);
+- "compressed": ternary ``CompressedExperts`` stacks W[E, out, in] at
+  ``expert/<kernel>``, for the fused-kernel expert layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointError
+from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes
+from qmoe_jax.models import SwitchConfig
+from qmoe_jax.quant import GridConfig, dequantize_codes
+
+
+@dataclasses.dataclass
+class CompressedModel:
+    """A loaded compressed checkpoint.
+
+    Attributes:
+      config: the model config.
+      params: the parameter tree (expert kernels in the requested form).
+      dictionaries: ``{layer name: Dictionary}`` of ternary layers.
+      grid: the grid the experts were quantized to.
+    """
+
+    config: SwitchConfig
+    params: dict
+    dictionaries: dict[str, Dictionary]
+    grid: GridConfig
+
+
+def _stack(arrays: dict, cols: int) -> CompressedExperts:
+    return CompressedExperts(jnp.asarray(arrays["codes"]), jnp.asarray(arrays["row_offsets"]),
+                             jnp.asarray(arrays["minmax"]), cols)
+
+
+def dequantized_kernel(arrays: dict, grid: GridConfig, cols: int, dictionary: Dictionary | None) -> np.ndarray:
+    """T5X-oriented float32 kernel [E, in, out] of one stored expert kernel."""
+    if grid.kind == "ternary":
+        codes, params = decode_codes(_stack(arrays, cols), dictionary), np.asarray(arrays["minmax"])
+    else:
+        codes, params = np.asarray(arrays["codes"]), np.asarray(arrays["grid_params"])
+    weights = np.stack([np.asarray(dequantize_codes(jnp.asarray(c), jnp.asarray(p), grid)) for c, p in zip(codes, params)])
+    return np.swapaxes(weights, 1, 2)
+
+
+def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.float32) -> CompressedModel:
+    """Reads a finished compressed checkpoint, verifying checksums and dictionary fingerprints.
+
+    Args:
+      experts: "dense" or "compressed" (ternary checkpoints only).
+      dtype: dtype of the dense parameters and dequantized kernels.
+    """
+    if experts not in ("dense", "compressed"):
+        raise ValueError(f"experts must be 'dense' or 'compressed', got {experts!r}")
+    checkpoint = CompressedCheckpoint(directory)
+    if not checkpoint.complete:
+        raise CompressedCheckpointError(
+            f"{directory} is unfinished ({len(checkpoint.layer_names())} layers done); "
+            "re-run the same `python -m qmoe_jax.compress` command to finish it"
+        )
+    config = SwitchConfig(**checkpoint.header["model"])
+    grid = GridConfig(**checkpoint.header["settings"]["grid"])
+    if experts == "compressed" and grid.kind != "ternary":
+        raise ValueError(f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}")
+    params = checkpoint.dense_params()
+    params = _cast(params, dtype)
+    dictionaries = {}
+    for name in checkpoint.layer_names():
+        arrays, stats = checkpoint.layer(name)
+        dictionary = checkpoint.dictionary(stats["dictionary"]) if stats["dictionary"] else None
+        if dictionary is not None:
+            dictionaries[name] = dictionary
+        node = params
+        for key in name.split("."):
+            node = node.setdefault(key, {})
+        expert = node.setdefault("expert", {})
+        for kernel, stored in arrays.items():
+            cols = config.d_ff if kernel == "wo" else config.d_model
+            if experts == "dense":
+                expert[kernel] = {"kernel": jnp.asarray(dequantized_kernel(stored, grid, cols, dictionary), dtype)}
+            else:
+                expert[kernel] = _stack(stored, cols)
+    return CompressedModel(config, params, dictionaries, grid)
+
+
+def _cast(tree, dtype):
+    if isinstance(tree, dict):
+        return {key: _cast(value, dtype) for key, value in tree.items()}
+    return jnp.asarray(tree, dtype)

@@ -1,0 +1,159 @@
+"""The main job as a function: checkpoint + calibration text → compressed checkpoint + report.
+
+``python -m qmoe_jax.compress`` parses its flags into ``CompressionOptions`` and
+calls ``compress_checkpoint``; everything here is importable and tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from qmoe_jax import bundled
+from qmoe_jax.calibration.data import calibration_data
+from qmoe_jax.calibration.experts import ExpertCompressionConfig
+from qmoe_jax.calibration.pipeline import CalibrationConfig, CalibrationPass
+from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint
+from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
+from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, c4_documents, corpus, text_file_documents
+from qmoe_jax.evaluate import expected_param_shapes
+from qmoe_jax.models import SwitchConfig, config_names, get_config
+from qmoe_jax.quant import GPTQConfig, GridConfig
+from qmoe_jax.report import build_report, summary_table, write_report
+
+GRIDS = {"ternary": GridConfig()} | {f"{b}bit": GridConfig(kind="minmax", bits=b) for b in (2, 3, 4, 8)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CompressionOptions:
+    """Everything the main job needs; defaults compress the bundled model.
+
+    Attributes:
+      checkpoint: T5X checkpoint directory or URL (None: the bundled model).
+      config: model config name (None: inferred from the checkpoint's shapes).
+      tokenizer: SentencePiece model (None: the bundled model's).
+      calibration: "bundled", "c4:<dir or glob>", or "text:<glob>".
+      num_samples: calibration samples; inputs_length: their encoder length.
+      grid: "ternary", "2bit", "3bit", "4bit" or "8bit"; method: "gptq" or "rtn".
+      group_size: experts per vmapped GPTQ call; dictionary: "static" or "adaptive".
+      output_dir: where the compressed checkpoint goes (None: runs/compressed/<config>).
+    """
+
+    checkpoint: str | None = None
+    config: str | None = None
+    tokenizer: str | None = None
+    calibration: str = "bundled"
+    num_samples: int = 1024
+    inputs_length: int = bundled.INPUTS_LENGTH
+    grid: str = "ternary"
+    method: str = "gptq"
+    group_size: int = 16
+    dictionary: str = "static"
+    batch_size: int = 32
+    true_sequential: bool = False
+    act_order: bool = False
+    seed: int = 1
+    output_dir: str | None = None
+
+    def __post_init__(self):
+        if self.grid not in GRIDS:
+            raise ValueError(f"unknown grid {self.grid!r}; choose one of {', '.join(GRIDS)}")
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
+        if not (self.calibration == "bundled" or self.calibration.startswith(("c4:", "text:"))):
+            raise ValueError(f"calibration must be 'bundled', 'c4:<dir>' or 'text:<glob>', got {self.calibration!r}")
+
+
+def infer_config(checkpoint: T5XCheckpoint) -> SwitchConfig:
+    """The one known config whose parameter shapes the checkpoint has."""
+    found = {path: info.shape for path, info in checkpoint.spec().items()}
+    matches = [name for name in config_names() if expected_param_shapes(get_config(name)) == found]
+    if len(matches) != 1:
+        raise ValueError(
+            f"cannot infer the model config of {checkpoint.url}: {len(matches)} known configs match its shapes "
+            f"({', '.join(matches) or 'none'}); pass --config (known: {', '.join(config_names())})"
+        )
+    return get_config(matches[0])
+
+
+def _documents(spec: str):
+    if spec == "bundled":
+        return corpus.documents("train")
+    kind, _, location = spec.partition(":")
+    if kind == "c4":
+        return c4_documents(location, split="train")
+    paths = sorted(glob.glob(location))
+    if not paths:
+        raise FileNotFoundError(f"no text files match {location!r}")
+    return text_file_documents(paths)
+
+
+def _parameter_counts(checkpoint: T5XCheckpoint) -> tuple[int, int]:
+    spec = checkpoint.spec()
+    total = sum(int(np.prod(info.shape)) for info in spec.values())
+    experts = sum(int(np.prod(info.shape)) for info in spec.values() if info.is_expert_stack)
+    return total, experts
+
+
+def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] = print,
+                        progress: bool = True, config: SwitchConfig | None = None) -> dict:
+    """Compresses (or resumes compressing) a checkpoint; returns the report (also written to disk).
+
+    ``config`` overrides ``options.config`` with a config object (e.g. one not in the registry).
+    """
+    started = time.perf_counter()
+    path = options.checkpoint or bundled.checkpoint_path()
+    checkpoint = open_t5x_checkpoint(path)
+    if config is None:
+        config = get_config(options.config) if options.config else infer_config(checkpoint)
+    checkpoint.check_shapes(expected_param_shapes(config), config_name=config.name)
+    output_dir = options.output_dir or os.path.join("runs", "compressed", config.name)
+    tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
+    log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
+
+    data_started = time.perf_counter()
+    packing = "document" if options.calibration.startswith("c4:") else "concat"
+    data_config = SpanCorruptionConfig(inputs_length=options.inputs_length, packing=packing, seed=options.seed)
+    data = calibration_data(_documents(options.calibration), tokenizer, data_config, options.num_samples,
+                            spread=options.calibration == "bundled")
+    log(f"{data.num_samples} calibration samples, {int((data.encoder_input_tokens > 0).sum())} encoder and "
+        f"{int((data.decoder_target_tokens > 0).sum())} decoder tokens")
+    data_seconds = time.perf_counter() - data_started
+
+    grid = GRIDS[options.grid]
+    settings = CalibrationConfig(
+        experts=ExpertCompressionConfig(grid=grid, method=options.method, group_size=options.group_size,
+                                        gptq=GPTQConfig(act_order=options.act_order),
+                                        true_sequential=options.true_sequential),
+        dictionary=options.dictionary, batch_size=options.batch_size,
+    )
+    header = {
+        "model": dataclasses.asdict(config),
+        "source": path,
+        "settings": {
+            "grid": dataclasses.asdict(grid), "method": options.method, "group_size": options.group_size,
+            "dictionary": options.dictionary, "true_sequential": options.true_sequential,
+            "act_order": options.act_order, "calibration": options.calibration,
+            "num_samples": options.num_samples, "inputs_length": options.inputs_length,
+            "batch_size": options.batch_size, "seed": options.seed,
+            "tokenizer": os.path.basename(tokenizer.model_path),
+        },
+    }
+    writer = CompressedCheckpointWriter(output_dir, header)
+    if writer.finished_layers():
+        log(f"resuming: {len(writer.finished_layers())} layer(s) already finished")
+    result = CalibrationPass(config, checkpoint, data, settings, writer, log=log, progress=progress).run()
+    total, experts = _parameter_counts(checkpoint)
+    seconds = {"data": data_seconds} | result["seconds"]
+    seconds["total"] = time.perf_counter() - started
+    report = build_report(writer.manifest, total, experts, seconds)
+    writer.finalize({"moe": report["moe"], "model": report["model"]})
+    write_report(report, output_dir)
+    log(summary_table(report))
+    return report

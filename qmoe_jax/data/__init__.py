@@ -1,0 +1,15 @@
+"""Calibration and evaluation data: sources, tokenizer, T5 span corruption, batching, premasking."""
+
+from qmoe_jax.data.pipeline import SpanCorruptionConfig as SpanCorruptionConfig
+from qmoe_jax.data.pipeline import batch_examples as batch_examples
+from qmoe_jax.data.pipeline import hessian_masks as hessian_masks
+from qmoe_jax.data.pipeline import span_corruption_examples as span_corruption_examples
+from qmoe_jax.data.pipeline import token_chunks as token_chunks
+from qmoe_jax.data.sources import c4_documents as c4_documents
+from qmoe_jax.data.sources import string_documents as string_documents
+from qmoe_jax.data.sources import text_file_documents as text_file_documents
+from qmoe_jax.data.span_corruption import random_spans_helper as random_spans_helper
+from qmoe_jax.data.span_corruption import random_spans_noise_mask as random_spans_noise_mask
+from qmoe_jax.data.span_corruption import span_corrupt as span_corrupt
+from qmoe_jax.data.tokenizer import Tokenizer as Tokenizer
+from qmoe_jax.data.tokenizer import train_sentencepiece as train_sentencepiece

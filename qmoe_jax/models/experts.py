@@ -1,0 +1,68 @@
+"""Expert layers of a sparse MLP: the pluggable part of the MoE layer.
+
+Interface (what ``MoeLayer`` relies on, and what a compressed-experts layer
+implements to drop in):
+
+* construction: ``experts_cls(config=config, name="expert")``, with ``config``
+  a ``SwitchConfig`` (E = ``num_experts``, d = ``d_model``, f = ``d_ff``,
+  gating from ``mlp_activations``, dtypes);
+* call: ``experts(expert_inputs, enable_dropout=bool) -> expert_outputs``
+  with ``expert_inputs`` of shape ``[E, T, d]`` in the activation dtype, where
+  row ``e`` holds the tokens dispatched to expert e (T = groups × capacity;
+  unused slots are zero rows) and ``expert_outputs`` of shape ``[E, T, d]``;
+  an expert must map a zero row to a zero row (no biases), since empty slots
+  are computed too;
+* parameters (or other variables) live under the module, so they appear in
+  the tree as ``.../mlp/expert/...``. The dense layer has T5X's
+  ``wi/kernel [E, d, f]`` and ``wo/kernel [E, f, d]`` (``wi_0``/``wi_1`` when
+  gated), i.e. ``y_e = x_e @ W``; a compressed layer stores the transposed
+  matrices ``W_e[rows=out, cols=in]`` as ``CompressedExperts`` stacks and
+  computes the same ``[E, C, cols] → [E, C, rows]`` products.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from qmoe_jax.models.configs import SwitchConfig
+from qmoe_jax.models.layers import activation, dropout
+
+
+def expert_kernel_init(scale: float):
+    """T5X expert initializer: variance scaling (fan_in, normal) per expert of ``[E, in, out]``."""
+    return nn.initializers.variance_scaling(scale, "fan_in", "normal",
+                                            in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+class ExpertKernel(nn.Module):
+    """A stack of E expert matrices ``kernel [E, in, out]``: ``[E, T, in] → [E, T, out]``."""
+
+    features: int
+    config: SwitchConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        kernel = self.param("kernel", expert_kernel_init(cfg.init_scale),
+                            (cfg.num_experts, x.shape[-1], self.features), cfg.jnp_param_dtype)
+        return jnp.einsum("etd,edf->etf", x.astype(cfg.jnp_dtype), kernel.astype(cfg.jnp_dtype))
+
+
+class MlpExperts(nn.Module):
+    """E dense T5 MLPs, one per expert: ``[E, T, d] → [E, T, d]``."""
+
+    config: SwitchConfig
+
+    @nn.compact
+    def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
+        cfg = self.config
+        acts = cfg.mlp_activations
+        hidden = None
+        for index, name in enumerate(acts):
+            kernel_name = "wi" if len(acts) == 1 else f"wi_{index}"
+            h = activation(name)(ExpertKernel(cfg.d_ff, cfg, name=kernel_name)(expert_inputs))
+            hidden = h if hidden is None else hidden * h
+        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        return ExpertKernel(cfg.d_model, cfg, name="wo")(hidden)

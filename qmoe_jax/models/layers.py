@@ -1,0 +1,237 @@
+"""Dense building blocks of the T5X SwitchTransformer (DESIGN.md §5).
+
+Lingo: B batch, L_q / L_k query / key lengths, d model width, h heads, k per-head
+width, f MLP width. T5 semantics: RMS norm without mean subtraction or bias
+(eps 1e-6), attention logits without the 1/sqrt(k) factor (T5X folds it into the
+query initializer), relative position buckets shared by all layers of a stack,
+attention masks as -1e10 biases, dropout broadcast over the length axis.
+Parameter names follow flaxformer, so a T5X checkpoint loads without renaming.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmoe_jax.models.configs import SwitchConfig
+
+MASK_BIAS = -1e10
+
+
+def kernel_init(scale: float, distribution: str = "truncated_normal", divide_by: float = 1.0):
+    """T5X variance-scaling (fan_in) initializer, optionally divided by a constant."""
+    base = nn.initializers.variance_scaling(scale, "fan_in", distribution)
+    if divide_by == 1.0:
+        return base
+    return lambda key, shape, dtype=jnp.float32: base(key, shape, dtype) / divide_by
+
+
+class DenseKernel(nn.Module):
+    """``y = x @ kernel`` with a single parameter ``kernel [in, out]`` (no bias)."""
+
+    features: int
+    config: SwitchConfig
+    init: Callable = nn.initializers.lecun_normal()
+    dtype: jnp.dtype | None = None
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", self.init, (x.shape[-1], self.features),
+                            self.config.jnp_param_dtype)
+        dtype = self.dtype or self.config.jnp_dtype
+        return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+
+
+class RmsNorm(nn.Module):
+    """T5 layer norm: ``x / sqrt(mean(x²) + eps) * scale``, computed in float32."""
+
+    config: SwitchConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
+                           self.config.jnp_param_dtype)
+        x = x.astype(jnp.float32)
+        mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+        y = (x * jax.lax.rsqrt(mean_square + self.config.layer_norm_epsilon)).astype(self.config.jnp_dtype)
+        return y * scale.astype(self.config.jnp_dtype)
+
+
+def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool,
+                             num_buckets: int, max_distance: int) -> np.ndarray:
+    """T5 bucket of ``memory_position - query_position`` (numpy, int32).
+
+    Half the buckets (per direction when bidirectional) hold exact distances
+    0..n/2-1, the rest grow logarithmically up to ``max_distance``; causal
+    (not bidirectional) buckets map every future position to bucket 0.
+    """
+    n = -np.asarray(relative_position, np.int32)
+    bucket = np.zeros_like(n)
+    if bidirectional:
+        num_buckets //= 2
+        bucket += (n < 0).astype(np.int32) * num_buckets
+        n = np.abs(n)
+    else:
+        n = np.maximum(n, 0)
+    max_exact = num_buckets // 2
+    with np.errstate(divide="ignore"):
+        large = max_exact + (
+            np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
+            / np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(np.int32)
+    large = np.minimum(large, num_buckets - 1)
+    return bucket + np.where(n < max_exact, n, large)
+
+
+class RelativePositionBias(nn.Module):
+    """Shared per-stack attention bias ``rel_embedding [h, buckets]`` → ``[1, h, L_q, L_k]``.
+
+    For incremental decoding (``decode_position`` given) the first call, made
+    with the full decode length L, stores the buckets of every relative offset
+    in ``-(L-1)..L-1`` as the cache variable ``relative_buckets`` (its length
+    also fixes L); each later call looks up the rows of the queries at
+    ``decode_position + arange(L_q)`` against the L key slots.
+    """
+
+    config: SwitchConfig
+    bidirectional: bool
+
+    def _buckets(self, relative: np.ndarray) -> np.ndarray:
+        cfg = self.config
+        return relative_position_bucket(relative, self.bidirectional, cfg.relative_attention_num_buckets,
+                                        cfg.relative_attention_max_distance)
+
+    @nn.compact
+    def __call__(self, query_length: int, key_length: int,
+                 decode_position: jax.Array | None = None) -> jax.Array:
+        cfg = self.config
+        table = self.param(
+            "rel_embedding",
+            nn.initializers.variance_scaling(cfg.init_scale, "fan_avg", "uniform"),
+            (cfg.num_heads, cfg.relative_attention_num_buckets), cfg.jnp_param_dtype)
+        if decode_position is None:
+            relative = np.arange(key_length)[None, :] - np.arange(query_length)[:, None]
+            buckets = jnp.asarray(self._buckets(relative))
+        else:
+            offsets = self.variable(
+                "cache", "relative_buckets",
+                lambda: jnp.asarray(self._buckets(np.arange(1 - key_length, key_length))))
+            length = (offsets.value.shape[0] + 1) // 2
+            queries = decode_position + jnp.arange(query_length)
+            buckets = offsets.value[jnp.arange(length)[None, :] - queries[:, None] + length - 1]
+        return jnp.take(table.astype(jnp.float32), buckets, axis=1)[None]
+
+
+def attention_mask(query_valid: jax.Array, key_valid: jax.Array) -> jax.Array:
+    """``[B, 1, L_q, L_k]`` boolean mask from ``[B, L_q]`` and ``[B, L_k]`` validity."""
+    return query_valid[:, None, :, None] & key_valid[:, None, None, :]
+
+
+def causal_mask(length: int) -> jax.Array:
+    """``[1, 1, L, L]`` lower-triangular mask."""
+    return jnp.tril(jnp.ones((length, length), bool))[None, None]
+
+
+def dropout(x: jax.Array, rate: float, enable_dropout: bool, module: nn.Module,
+            broadcast_dims: tuple[int, ...] = (-2,)) -> jax.Array:
+    """T5X dropout: one mask shared along ``broadcast_dims`` (the length axis by default)."""
+    if not enable_dropout or rate == 0.0:
+        return x
+    shape = list(x.shape)
+    for dim in broadcast_dims:
+        shape[dim] = 1
+    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, shape)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
+
+
+class MultiHeadAttention(nn.Module):
+    """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
+
+    In decode mode (self-attention only) the keys and values of earlier steps
+    live in the ``cache`` collection as ``cached_key``/``cached_value
+    [B, L_max, h, k]``; the caller passes the write position.
+    """
+
+    config: SwitchConfig
+
+    def setup(self):
+        cfg = self.config
+        inner = cfg.num_heads * cfg.d_kv
+        self.query = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv)))
+        self.key = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal"))
+        self.value = DenseKernel(inner, cfg, kernel_init(cfg.init_scale, "normal"))
+        self.out = DenseKernel(cfg.d_model, cfg, kernel_init(cfg.init_scale, "normal"))
+
+    def _heads(self, x: jax.Array) -> jax.Array:
+        return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.d_kv)
+
+    def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array, mask: jax.Array | None,
+                 bias: jax.Array | None, *, enable_dropout: bool = False,
+                 cache_position: jax.Array | None = None) -> jax.Array:
+        """Attends ``inputs_q [B, L_q, d]`` to ``inputs_kv [B, L_k, d]``.
+
+        Args:
+          mask: bool ``[B|1, 1, L_q, L_k]`` (True = may attend) or None.
+          bias: float ``[1, h, L_q, L_k]`` position bias or None.
+          cache_position: int32 scalar; when given, the keys/values of this
+            step are written into the cache at that position and the query
+            attends to cache positions ``<= cache_position + i``.
+        Returns:
+          ``[B, L_q, d]``.
+        """
+        cfg = self.config
+        query = self._heads(self.query(inputs_q))
+        key = self._heads(self.key(inputs_kv))
+        value = self._heads(self.value(inputs_kv))
+        if cache_position is not None:
+            # The first decode call creates a zero cache sized by its inputs
+            # [B, L_max, ...]; later calls write their keys/values at
+            # cache_position and attend to everything written so far.
+            initialized = self.has_variable("cache", "cached_key")
+            cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
+            cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+            if initialized:
+                start = (0, cache_position, 0, 0)
+                cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
+                cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+                key, value = cached_key.value, cached_value.value
+            query_positions = cache_position + jnp.arange(query.shape[1])
+            visible = jnp.arange(key.shape[1])[None, :] <= query_positions[:, None]
+            mask = visible[None, None] if mask is None else mask & visible[None, None]
+        logits = jnp.einsum("bqhk,bthk->bhqt", query.astype(jnp.float32), key.astype(jnp.float32))
+        if mask is not None:
+            logits = logits + jnp.where(mask, 0.0, MASK_BIAS)
+        if bias is not None:
+            logits = logits + bias
+        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
+        weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
+        context = jnp.einsum("bhqt,bthk->bqhk", weights, value.astype(cfg.jnp_dtype))
+        return self.out(context.reshape(*context.shape[:2], cfg.num_heads * cfg.d_kv))
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """flaxformer's activation names: relu, gelu (tanh approximation), silu, linear."""
+    return {"relu": jax.nn.relu, "gelu": nn.gelu, "silu": jax.nn.silu,
+            "linear": lambda x: x}[name]
+
+
+class DenseMlp(nn.Module):
+    """T5 MLP ``wo(act(x wi))``, or gated ``wo(act0(x wi_0) * act1(x wi_1))``; ``[.., d] → [.., d]``."""
+
+    config: SwitchConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
+        cfg = self.config
+        init = kernel_init(cfg.init_scale, "truncated_normal")
+        acts = cfg.mlp_activations
+        hidden = None
+        for index, name in enumerate(acts):
+            kernel_name = "wi" if len(acts) == 1 else f"wi_{index}"
+            h = activation(name)(DenseKernel(cfg.d_ff, cfg, init, name=kernel_name)(x))
+            hidden = h if hidden is None else hidden * h
+        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        return DenseKernel(cfg.d_model, cfg, init, name="wo")(hidden)

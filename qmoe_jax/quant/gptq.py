@@ -1,0 +1,177 @@
+"""GPTQ for one matrix (Frantar et al. 2022), as QMoE §3 uses it.
+
+Lingo: W[rows, cols] in y = W·x orientation; H[cols, cols] = XᵀX of the
+matrix's calibration inputs (see hessian.py); damping λ = 0.1 × mean diag(H)
+is added to diag(H). GPTQ's hinv is U, the upper Cholesky factor of H⁻¹
+(UᵀU = H⁻¹). Columns are quantized left to right in blocks of B = 128: inside
+a block, each column is rounded to its row's grid and its error is fed to the
+block's later columns; after a block, one rank-B "lazy" update carries the
+block's errors to all later columns. Dead columns (H_ii = 0: the input is
+always zero) get H_ii = 1 and W[:, i] = 0, as in GPTQ. Act-order (an option,
+off by default) quantizes columns by descending diag(H).
+
+We run the same recurrence without inverting H. With R upper triangular and
+H = R·Rᵀ (the Cholesky factor of H with rows and columns reversed), U = R⁻¹.
+GPTQ's errors E (column k: (w̃_k − q_k)/U_kk, w̃_k the updated column when it
+is rounded) satisfy W − Q = E·U, so E = (W − Q)·R and
+
+    w̃_k = w_k + Σ_{j<k} (w_j − q_j)·S_jk,   S_jk = R_jk / R_kk,
+
+which is what ``_sweep`` computes, blockwise: one Cholesky instead of GPTQ's
+Cholesky, inverse and second Cholesky, and the same lazy block updates with
+S and the residuals D = W − Q in place of U and E. Blocks nest (B = 128, then
+sub-blocks of 16, then single columns) so the per-column updates stay in cache;
+the result does not depend on the block sizes beyond float rounding.
+
+Failures are data: when H is not positive definite after damping (or no
+column is live), ``ok`` is False and the matrix is rounded to nearest (R =
+identity, the original weights), never an exception.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from qmoe_jax.quant.grids import GridConfig, grid_params, quantize
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTQConfig:
+    """Options of the GPTQ solver.
+
+    Attributes:
+      block_size: columns per lazy-update block (GPTQ and QMoE use 128).
+      damping: λ = damping × mean diag(H) is added to diag(H) (QMoE uses 0.1).
+      act_order: quantize columns by descending diag(H) (codes come back in the original order).
+      sub_block_size: a second lazy-update level inside each block, for speed only; must divide
+        block_size (1 or block_size: none).
+    """
+
+    block_size: int = 128
+    damping: float = 0.1
+    act_order: bool = False
+    sub_block_size: int = 16
+
+    def __post_init__(self):
+        if not (isinstance(self.block_size, int) and self.block_size > 0):
+            raise ValueError(f"GPTQConfig.block_size must be a positive int, got {self.block_size!r}")
+        if not (isinstance(self.sub_block_size, int) and self.sub_block_size > 0
+                and self.block_size % self.sub_block_size == 0):
+            raise ValueError(f"GPTQConfig.sub_block_size must divide block_size={self.block_size}, "
+                             f"got {self.sub_block_size!r}")
+        if not self.damping > 0:
+            raise ValueError(f"GPTQConfig.damping must be > 0 (relative to mean diag(H)), got {self.damping!r}")
+
+    @property
+    def block_sizes(self) -> tuple[int, ...]:
+        """Nested block sizes of the sweep, outermost first, ending at single columns."""
+        return tuple(dict.fromkeys((self.block_size, self.sub_block_size, 1)))
+
+
+class GPTQResult(NamedTuple):
+    """Output of ``gptq`` for one matrix W[rows, cols] (batched: a leading E axis on every field).
+
+    Attributes:
+      codes: uint8[rows, cols], grid codes (ternary: 0 = zero, 1 = min, 2 = max).
+      grid_params: [rows, 2] per-row grid (bfloat16 (min, max) for ternary, float32 (scale, zero) for minmax).
+      ok: bool[], False when the Hessian was unusable and the matrix was rounded to nearest.
+      loss: float32[], GPTQ's proxy loss Σ (w̃ − q)² / (2 U_kk²) over all weights (H's scale).
+    """
+
+    codes: jax.Array
+    grid_params: jax.Array
+    ok: jax.Array
+    loss: jax.Array
+
+
+def hessian_factor(hessian: jax.Array) -> jax.Array:
+    """R, upper triangular with H = R·Rᵀ, for a positive definite H[n, n] (NaNs if it is not).
+
+    U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself.
+    """
+    return jnp.linalg.cholesky(hessian[::-1, ::-1])[::-1, ::-1]
+
+
+def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
+    """Quantize the columns of Wᵀ[n, rows] in order, in nested blocks of ``block_sizes`` (n divisible by the first).
+
+    ``corrections_t`` holds Σ_{j<k} D_j·S_jk from columns before this block; returns
+    (residuals D = w − q [n, rows], codes uint8[n, rows], proxy loss).
+    """
+    if not block_sizes:
+        target = weights_t[0] + corrections_t[0]
+        dequantized, codes = quantize(target, params, grid)
+        error = (target - dequantized) * factor_diag[0]
+        return (weights_t[0] - dequantized)[None], codes[None], 0.5 * jnp.sum(error * error)
+    size, inner_sizes = block_sizes[0], block_sizes[1:]
+
+    def quantize_block(b, state):
+        corrections_t, residuals_t, codes_t, loss = state
+        start = b * size
+        rows_of = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=size, axis=0)
+        block_scaled = lax.dynamic_slice(scaled, (start, start), (size, size))
+        block_residuals, block_codes, block_loss = _sweep(
+            rows_of(weights_t), rows_of(corrections_t), block_scaled, rows_of(factor_diag), params, grid, inner_sizes)
+        corrections_t = corrections_t + jnp.matmul(rows_of(scaled).T, block_residuals, precision=_HIGHEST)
+        residuals_t = lax.dynamic_update_slice_in_dim(residuals_t, block_residuals, start, 0)
+        codes_t = lax.dynamic_update_slice_in_dim(codes_t, block_codes, start, 0)
+        return corrections_t, residuals_t, codes_t, loss + block_loss
+
+    state = (corrections_t, jnp.zeros_like(weights_t), jnp.zeros(weights_t.shape, jnp.uint8), jnp.zeros((), jnp.float32))
+    _, residuals_t, codes_t, loss = lax.fori_loop(0, weights_t.shape[0] // size, quantize_block, state)
+    return residuals_t, codes_t, loss
+
+
+def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQConfig = GPTQConfig()) -> GPTQResult:
+    """Quantize one matrix with GPTQ.
+
+    Args:
+      weights: float[rows, cols], y = W·x orientation (transpose T5X's x·K kernels first: W = K.T).
+      hessian: float32[cols, cols], H = XᵀX of the matrix's inputs (any positive scale).
+      grid: the per-row grid (its parameters come from the original weights).
+      config: block size, damping, act-order.
+
+    Returns:
+      GPTQResult(codes uint8[rows, cols], grid_params [rows, 2], ok bool[], loss float32[]).
+      ``dequantize_codes(codes, grid_params, grid)`` is GPTQ's quantized W.
+    """
+    if jnp.ndim(weights) != 2 or jnp.shape(hessian) != (weights.shape[1],) * 2:
+        raise ValueError(f"gptq expects weights [rows, cols] and hessian [cols, cols]; got {jnp.shape(weights)} and "
+                         f"{jnp.shape(hessian)} (T5X kernels are x·K: pass W = K.T)")
+    rows, cols = weights.shape
+    weights = jnp.asarray(weights, jnp.float32)
+    hessian = jnp.asarray(hessian, jnp.float32)
+    params = grid_params(weights, grid)
+
+    diag = jnp.diagonal(hessian)
+    dead = diag == 0
+    diag = jnp.where(dead, 1.0, diag)
+    columns = jnp.arange(cols)
+    hessian = hessian.at[columns, columns].set(diag + config.damping * diag.mean())
+    if config.act_order:
+        order = jnp.argsort(-diag)
+        hessian, weights, dead = hessian[order][:, order], weights[:, order], dead[order]
+    factor = hessian_factor(hessian)
+    ok = jnp.isfinite(factor).all() & ~dead.all()
+    factor = jnp.where(ok, factor, jnp.eye(cols, dtype=jnp.float32))
+    weights = jnp.where(ok & dead[None, :], 0.0, weights)
+
+    padding = -cols % config.block_size
+    is_padding = jnp.arange(cols + padding) >= cols
+    factor = jnp.pad(factor, ((0, padding), (0, padding))) + jnp.diag(is_padding.astype(jnp.float32))
+    factor_diag = jnp.diagonal(factor)
+    weights_t = jnp.pad(weights.T, ((0, padding), (0, 0)))
+    _, codes_t, loss = _sweep(weights_t, jnp.zeros_like(weights_t), factor / factor_diag, factor_diag, params, grid,
+                              config.block_sizes)
+    codes = codes_t[:cols].T
+    if config.act_order:
+        codes = codes[:, jnp.argsort(order)]
+    return GPTQResult(codes, params, ok, loss)

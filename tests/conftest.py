@@ -1,0 +1,24 @@
+import os
+import random
+
+import pytest
+
+WORDS = (
+    "the a compressed expert router token layer matrix weight ternary code dictionary "
+    "model sparse dense switch calibration hessian column row kernel decode encode "
+    "quickly slowly runs holds reads writes small large every each one two three"
+).split()
+
+
+def synthetic_sentences(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + "." for _ in range(count)]
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tmp_path_factory):
+    """A 64-piece SentencePiece model in T5's id layout, trained on synthetic text."""
+    from qmoe_jax.data.tokenizer import Tokenizer, train_sentencepiece
+
+    prefix = os.path.join(tmp_path_factory.mktemp("spm"), "tiny")
+    return Tokenizer(train_sentencepiece(synthetic_sentences(2000), prefix, vocab_size=64, seed_sentencepiece_size=1000))

@@ -1,0 +1,140 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
+from qmoe_jax.checkpoints.compressed_model import load_compressed_model
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.evaluate import mean_cross_entropy
+from qmoe_jax.models import SwitchTransformer
+from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("tiny")
+    checkpoint = write_tiny_checkpoint(root / "t5x")
+    text = write_calibration_text(root / "calibration.txt")
+    return checkpoint, text, tiny_tokenizer.model_path
+
+
+def options(setup, output_dir, **overrides):
+    checkpoint, text, tokenizer = setup
+    values = dict(checkpoint=checkpoint, tokenizer=tokenizer, calibration=f"text:{text}", num_samples=24,
+                  inputs_length=32, batch_size=8, group_size=2, output_dir=str(output_dir))
+    values.update(overrides)
+    return CompressionOptions(**values)
+
+
+def all_arrays(directory):
+    checkpoint = CompressedCheckpoint(str(directory))
+    return {name: checkpoint.layer(name)[0] for name in checkpoint.layer_names()}
+
+
+def assert_same_arrays(a, b):
+    assert a.keys() == b.keys()
+    for layer in a:
+        for kernel in a[layer]:
+            for key in a[layer][kernel]:
+                np.testing.assert_array_equal(np.asarray(a[layer][kernel][key]), np.asarray(b[layer][kernel][key]),
+                                              err_msg=f"{layer}/{kernel}/{key}")
+
+
+def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
+    report = compress_checkpoint(options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False,
+                                 config=TINY)
+    assert [layer["name"] for layer in report["layers"]] == ["encoder.layers_1.mlp", "decoder.layers_1.mlp"]
+    for layer in report["layers"]:
+        assert 0.3 < layer["zero_fraction"] < 1.0
+        assert layer["bits_per_weight"] > 0 and layer["tokens_per_expert"]["max"] > 0
+    assert report["moe"]["compression_rate"] > 4
+    assert os.path.isfile(tmp_path / "out" / "report.png")
+    saved = json.load(open(tmp_path / "out" / "report.json"))
+    assert saved["moe"] == report["moe"]
+
+    model = load_compressed_model(str(tmp_path / "out"))
+    wi = np.asarray(model.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]["kernel"])
+    assert wi.shape == (TINY.num_experts, TINY.d_model, TINY.d_ff)
+    for expert in wi:  # ternary: each output feature (a column here) holds at most {min, 0, max}
+        assert max(len(np.unique(column)) for column in expert.T) <= 3
+    tokens = np.arange(2, 34, dtype=np.int32).reshape(2, 16)
+    example = [(tokens[0], tokens[1]), (tokens[1], tokens[0])]
+    assert np.isfinite(mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2))
+
+
+def test_rtn_and_kbit(tiny_setup, tmp_path):
+    rtn = compress_checkpoint(options(tiny_setup, tmp_path / "rtn", method="rtn"), log=lambda _: None,
+                              progress=False, config=TINY)
+    assert all(layer["fallback_experts"] == 0 for layer in rtn["layers"])
+    two_bit = compress_checkpoint(options(tiny_setup, tmp_path / "2bit", grid="2bit"), log=lambda _: None,
+                                  progress=False, config=TINY)
+    assert all(abs(layer["bits_per_weight"] - (2 + 64 / layer["kernels"]["wi"]["cols"] / 2
+                                              + 64 / layer["kernels"]["wo"]["cols"] / 2)) < 1e-9
+               for layer in two_bit["layers"])
+    model = load_compressed_model(str(tmp_path / "2bit"))
+    wo = np.asarray(model.params["decoder"]["layers_1"]["mlp"]["expert"]["wo"]["kernel"])
+    assert max(len(np.unique(column)) for expert in wo for column in expert.T) <= 4
+
+
+RUNNER = """
+import sys
+sys.path.insert(0, {tests!r})
+from switch_fixtures import TINY
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+options = CompressionOptions(**{options!r})
+compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=False, config=TINY)
+"""
+
+
+def run_compression(options_dict, env=None, kill_after_layers=None):
+    code = RUNNER.format(tests=TESTS, options=options_dict)
+    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    if kill_after_layers is None:
+        output = process.communicate(timeout=600)[0].decode()
+        assert process.returncode == 0, output
+        return
+    manifest = os.path.join(options_dict["output_dir"], "manifest.json")
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if os.path.exists(manifest):
+            try:
+                with open(manifest) as f:
+                    if len(json.load(f)["layers"]) >= kill_after_layers:
+                        break
+            except (json.JSONDecodeError, OSError):
+                pass
+        assert process.poll() is None, process.stdout.read().decode()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+
+@pytest.mark.slow
+def test_resume_after_kill_is_bit_identical(tiny_setup, tmp_path):
+    base = vars(options(tiny_setup, tmp_path / "whole"))
+    run_compression(base)
+    resumed = dict(base, output_dir=str(tmp_path / "resumed"))
+    run_compression(resumed, kill_after_layers=1)
+    assert CompressedCheckpoint(resumed["output_dir"]).complete is False
+    assert len(CompressedCheckpoint(resumed["output_dir"]).layer_names()) == 1
+    run_compression(resumed)
+    assert CompressedCheckpoint(resumed["output_dir"]).complete
+    assert_same_arrays(all_arrays(base["output_dir"]), all_arrays(resumed["output_dir"]))
+
+
+@pytest.mark.slow
+def test_four_devices_give_the_same_codes(tiny_setup, tmp_path):
+    one = vars(options(tiny_setup, tmp_path / "one", group_size=4))
+    four = dict(one, output_dir=str(tmp_path / "four"))
+    run_compression(one)
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    run_compression(four, env=env)
+    assert_same_arrays(all_arrays(one["output_dir"]), all_arrays(four["output_dir"]))

@@ -1,0 +1,164 @@
+"""Numerical parity with Hugging Face transformers' SwitchTransformers (PyTorch, CPU).
+
+A tiny random HF model is mapped into the T5X tree and both run in float32.
+Capacities are set so that no token drops in either model (HF: a fixed
+per-sequence ``expert_capacity`` >= the sequence length; ours: eval capacity
+factor E, i.e. capacity = tokens per group). Tolerance: max |Δlogit| <= 1e-4.
+"""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0)")
+transformers = pytest.importorskip(
+    "transformers", reason="parity tests need transformers (pip install transformers protobuf)")
+
+from qmoe_jax.models import SwitchConfig, SwitchTransformer  # noqa: E402
+
+pytestmark = pytest.mark.parity
+
+TOLERANCE = 1e-4
+VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS, SPARSE, EXPERTS = 160, 32, 4, 8, 64, 4, 2, 4
+
+
+def build_hf(tied: bool, seed: int):
+    torch.manual_seed(seed)
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=D_MODEL, d_kv=D_KV, d_ff=D_FF, num_heads=HEADS,
+        num_layers=LAYERS, num_decoder_layers=LAYERS, num_experts=EXPERTS,
+        num_sparse_encoder_layers=SPARSE, num_sparse_decoder_layers=SPARSE,
+        expert_capacity=64, dropout_rate=0.0, router_jitter_noise=0.0, router_dtype="float32",
+        tie_word_embeddings=tied, decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+    if not tied:
+        # In transformers 5.x untying also unties the encoder/decoder input
+        # embeddings; T5X shares one token embedder, so share it here too.
+        model.encoder.embed_tokens.weight.data.copy_(model.shared.weight.data)
+        model.decoder.embed_tokens.weight.data.copy_(model.shared.weight.data)
+    return model
+
+
+def our_config(tied: bool) -> SwitchConfig:
+    return SwitchConfig(
+        name="hf-parity", vocab_size=VOCAB, d_model=D_MODEL, num_heads=HEADS, d_kv=D_KV, d_ff=D_FF,
+        num_encoder_layers=LAYERS, num_decoder_layers=LAYERS, num_experts=EXPERTS,
+        num_encoder_sparse_layers=SPARSE, num_decoder_sparse_layers=SPARSE, logits_dense=not tied,
+        eval_capacity_factor=float(EXPERTS), train_capacity_factor=float(EXPERTS), min_expert_capacity=1)
+
+
+def hf_to_t5x(model, config: SwitchConfig) -> dict:
+    """Maps HF SwitchTransformers weights (torch Linear: W[out, in]) into the T5X tree."""
+    sd = {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+
+    def linear(name):
+        return {"kernel": sd[f"{name}.weight"].T}
+
+    def attention(prefix):
+        return {ours: linear(f"{prefix}.{theirs}") for ours, theirs in
+                (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))}
+
+    def mlp(prefix, sparse):
+        if not sparse:
+            return {"wi": linear(f"{prefix}.wi"), "wo": linear(f"{prefix}.wo")}
+        experts = range(config.num_experts)
+        return {
+            "router": {"router_weights": {"w": linear(f"{prefix}.router.classifier")}},
+            "expert": {
+                "wi": {"kernel": np.stack([sd[f"{prefix}.experts.expert_{e}.wi.weight"].T for e in experts])},
+                "wo": {"kernel": np.stack([sd[f"{prefix}.experts.expert_{e}.wo.weight"].T for e in experts])},
+            },
+        }
+
+    def scale(name):
+        return {"scale": sd[f"{name}.weight"]}
+
+    encoder = {"relpos_bias": {"rel_embedding":
+                               sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].T},
+               "encoder_norm": scale("encoder.final_layer_norm")}
+    for i in range(config.num_encoder_layers):
+        block = f"encoder.block.{i}.layer"
+        encoder[f"layers_{i}"] = {
+            "pre_attention_layer_norm": scale(f"{block}.0.layer_norm"),
+            "attention": attention(f"{block}.0.SelfAttention"),
+            "pre_mlp_layer_norm": scale(f"{block}.1.layer_norm"),
+            "mlp": mlp(f"{block}.1.mlp", config.is_sparse_layer(i, decoder=False)),
+        }
+    decoder = {"relpos_bias": {"rel_embedding":
+                               sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].T},
+               "decoder_norm": scale("decoder.final_layer_norm")}
+    for i in range(config.num_decoder_layers):
+        block = f"decoder.block.{i}.layer"
+        decoder[f"layers_{i}"] = {
+            "pre_self_attention_layer_norm": scale(f"{block}.0.layer_norm"),
+            "self_attention": attention(f"{block}.0.SelfAttention"),
+            "pre_cross_attention_layer_norm": scale(f"{block}.1.layer_norm"),
+            "encoder_decoder_attention": attention(f"{block}.1.EncDecAttention"),
+            "pre_mlp_layer_norm": scale(f"{block}.2.layer_norm"),
+            "mlp": mlp(f"{block}.2.mlp", config.is_sparse_layer(i, decoder=True)),
+        }
+    if config.logits_dense:
+        decoder["logits_dense"] = linear("lm_head")
+    return {"token_embedder": {"embedding": sd["shared.weight"]}, "encoder": encoder, "decoder": decoder}
+
+
+def make_inputs(seed: int, padded: bool):
+    rng = np.random.default_rng(seed)
+    batch, enc_len, dec_len = 3, 24, 12
+    encoder_tokens = rng.integers(2, VOCAB, (batch, enc_len)).astype(np.int32)
+    targets = rng.integers(2, VOCAB, (batch, dec_len)).astype(np.int32)
+    if padded:
+        for row, (enc_keep, dec_keep) in enumerate([(24, 12), (17, 9), (5, 3)]):
+            encoder_tokens[row, enc_keep:] = 0
+            targets[row, dec_keep:] = 0
+    decoder_inputs = np.concatenate([np.zeros((batch, 1), np.int32), targets[:, :-1]], axis=1)
+    return encoder_tokens, decoder_inputs, targets
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
+def test_logits_match_hugging_face(tied, padded):
+    torch.set_flush_denormal(True)
+    hf_model = build_hf(tied, seed=1 + tied)
+    config = our_config(tied)
+    params = hf_to_t5x(hf_model, config)
+    model = SwitchTransformer(config)
+    encoder_tokens, decoder_inputs, targets = make_inputs(seed=7, padded=padded)
+
+    expected_tree = jax.eval_shape(lambda: model.init(
+        jax.random.PRNGKey(0), encoder_tokens, decoder_inputs, targets))["params"]
+    assert jax.tree.structure(params) == jax.tree.structure(expected_tree)
+    assert jax.tree.map(np.shape, params) == jax.tree.map(lambda s: s.shape, expected_tree)
+
+    with torch.no_grad():
+        hf = hf_model(input_ids=torch.from_numpy(encoder_tokens).long(),
+                      attention_mask=torch.from_numpy(encoder_tokens > 0).long(),
+                      decoder_input_ids=torch.from_numpy(decoder_inputs).long(),
+                      decoder_attention_mask=torch.from_numpy(targets > 0).long())
+    hf_logits = hf.logits.numpy()
+    hf_encoded = hf.encoder_last_hidden_state.numpy()
+    ours = np.asarray(model.apply({"params": params}, encoder_tokens, decoder_inputs, targets))
+    encoded = np.asarray(model.apply({"params": params}, encoder_tokens, method="encode"))
+
+    valid = targets > 0
+    assert np.abs(ours - hf_logits)[valid].max() <= TOLERANCE
+    assert np.abs(encoded - hf_encoded)[encoder_tokens > 0].max() <= TOLERANCE
+    # The comparison is not vacuous: logits vary across the vocabulary.
+    assert np.abs(hf_logits[valid]).max() > 1.0
+
+
+def test_capacity_drops_differ_from_hf_by_design():
+    """With a small capacity both models drop tokens, but by different rules (DESIGN.md §5)."""
+    torch.set_flush_denormal(True)
+    hf_model = build_hf(tied=True, seed=3)
+    config = dataclasses.replace(our_config(True), eval_capacity_factor=0.25, min_expert_capacity=1)
+    params = hf_to_t5x(hf_model, config)
+    encoder_tokens, decoder_inputs, targets = make_inputs(seed=5, padded=False)
+    ours = np.asarray(SwitchTransformer(config).apply(
+        {"params": params}, encoder_tokens, decoder_inputs, targets))
+    with torch.no_grad():
+        hf_logits = hf_model(input_ids=torch.from_numpy(encoder_tokens).long(),
+                             decoder_input_ids=torch.from_numpy(decoder_inputs).long()).logits.numpy()
+    assert np.abs(ours - hf_logits).max() > TOLERANCE

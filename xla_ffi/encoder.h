@@ -1,0 +1,12 @@
+// Host-side dictionary encoder of format v1 (DESIGN.md §4), bound into the
+// Python module qmoe_jax._qmoe_ext as class `EncoderTable`.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace qmoe {
+
+// Adds `EncoderTable` to the extension module.
+void RegisterEncoder(pybind11::module_& m);
+
+}  // namespace qmoe
