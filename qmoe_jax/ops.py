@@ -15,7 +15,8 @@ leading batch dims; a stack sharded over devices along E runs expert-locally
 under ``jax.shard_map`` (``expert_parallel``).
 
 Every op has a pure-jnp twin with the same signature (``*_reference``) that
-decodes through the dictionary's masks; tests hold the kernels to them.
+decodes W densely with ``codec.decode_codes_jnp``; tests hold the kernels to
+them.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from typing import Callable, Union
 import jax
 import jax.numpy as jnp
 
-from qmoe_jax import _decode_jnp, _kernels
+from qmoe_jax import _kernels
 from qmoe_jax.codec.containers import CompressedExperts, CompressedMatrix
 from qmoe_jax.codec.dictionary import Dictionary
+from qmoe_jax.codec.reference import decode_codes_jnp
 
 Compressed = Union[CompressedMatrix, CompressedExperts]
 # core(static, codes, row_offsets, minmax, x[B..., N, cols]) -> y[B..., N, rows]
@@ -90,14 +92,25 @@ def _apply(core: _Core, w: Compressed, x: jax.Array, dictionary: Dictionary) -> 
     return y.reshape(*batch, *token_shape, w.rows)
 
 
-def _reference_core(static, codes, row_offsets, minmax, x):
-    dense = _decode_jnp.dense_batch(static.dictionary.masks, codes, row_offsets, minmax, static.cols)
-    y = jnp.einsum(
-        "...nc,...rc->...nr",
-        x.astype(jnp.float32),
-        dense.astype(jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
+def _dense_weights(dictionary: Dictionary, codes, row_offsets, minmax, cols: int) -> jax.Array:
+    """W as float32[B..., rows, cols], decoded in jnp (B... = leading dims of the arrays)."""
+    batch = minmax.shape[:-2]
+    size = math.prod(batch)
+    stack = CompressedExperts(
+        codes.reshape(size, codes.shape[-1]),
+        row_offsets.reshape(size, row_offsets.shape[-1]),
+        minmax.reshape(size, *minmax.shape[-2:]),
+        cols,
     )
+    ternary = decode_codes_jnp(stack, dictionary)
+    values = stack.minmax.astype(jnp.float32)
+    dense = jnp.where(ternary == 2, values[..., 1:], jnp.where(ternary == 1, values[..., :1], 0.0))
+    return dense.reshape(*batch, *dense.shape[1:])
+
+
+def _reference_core(static, codes, row_offsets, minmax, x):
+    dense = _dense_weights(static.dictionary, codes, row_offsets, minmax, static.cols)
+    y = jnp.einsum("...nc,...rc->...nr", x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST)
     return y.astype(x.dtype)
 
 
@@ -181,6 +194,5 @@ def matmul_reference(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Arr
 
 
 def dequantize_reference(w: Compressed, dictionary: Dictionary) -> jax.Array:
-    """``dequantize`` in pure jnp; rows that fail to decode come back as NaN."""
-    codes, row_offsets, minmax = _frozen_arrays(w)
-    return _decode_jnp.dense_batch(dictionary.masks, codes, row_offsets, minmax, w.cols)
+    """``dequantize`` in pure jnp."""
+    return _dense_weights(dictionary, *_frozen_arrays(w), w.cols).astype(jnp.bfloat16)

@@ -208,12 +208,6 @@ def test_unknown_instruction_set_is_an_error(dictionary, monkeypatch):
         ops.matvec(w, jnp.zeros(21), dictionary)
 
 
-def test_twin_marks_corrupt_rows_as_nan(dictionary):
-    narrow, _ = _matrix(13, 19)
-    wide = CompressedMatrix(narrow.codes, narrow.row_offsets, narrow.minmax, 21)
-    assert np.isnan(np.asarray(ops.dequantize_reference(wide, dictionary), np.float32)).all()
-
-
 def test_bfloat16_results_round_to_nearest_even(dictionary):
     w, dense = _matrix(37, 101)
     x = _tokens((4, 101), jnp.bfloat16)
