@@ -21,6 +21,7 @@ them.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Union
 
@@ -92,6 +93,7 @@ def _apply(core: _Core, w: Compressed, x: jax.Array, dictionary: Dictionary) -> 
     return y.reshape(*batch, *token_shape, w.rows)
 
 
+@functools.partial(jax.jit, static_argnums=(0, 4))
 def _dense_weights(dictionary: Dictionary, codes, row_offsets, minmax, cols: int) -> jax.Array:
     """W as float32[B..., rows, cols], decoded in jnp (B... = leading dims of the arrays)."""
     batch = minmax.shape[:-2]
@@ -108,6 +110,7 @@ def _dense_weights(dictionary: Dictionary, codes, row_offsets, minmax, cols: int
     return dense.reshape(*batch, *dense.shape[1:])
 
 
+@functools.partial(jax.jit, static_argnums=0)
 def _reference_core(static, codes, row_offsets, minmax, x):
     dense = _dense_weights(static.dictionary, codes, row_offsets, minmax, static.cols)
     y = jnp.einsum("...nc,...rc->...nr", x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST)

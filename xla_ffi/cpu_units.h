@@ -37,8 +37,8 @@ struct Unit {
   bool block;
 };
 
-// Cuts groups into units; groups with fewer than kBlockTokens tokens (and
-// none when always_blocks) go one token at a time.
+// Cuts each group's tokens into blocks of 16; a block of fewer than
+// kBlockTokens tokens goes one token at a time unless always_blocks.
 std::vector<Unit> Units(const std::vector<TokenGroup>& groups, bool always_blocks);
 
 struct RowRange {
