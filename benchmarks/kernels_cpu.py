@@ -24,7 +24,8 @@ import json
 import os
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,9 @@ def synthetic(rng: np.random.Generator, rows: int, cols: int) -> tuple[np.ndarra
 
 def dense_weights(codes: np.ndarray, minmax: np.ndarray) -> np.ndarray:
     values = minmax.astype(np.float32)
-    return np.where(codes == 2, values[:, 1:], np.where(codes == 1, values[:, :1], 0.0)).astype(np.float32)
+    return np.where(codes == 2, values[:, 1:], np.where(codes == 1, values[:, :1], 0.0)).astype(
+        np.float32
+    )
 
 
 def side_by_side(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict]:
@@ -71,10 +74,15 @@ def side_by_side(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict
             start = time.perf_counter()
             jax.block_until_ready(run())
             samples[name].append(1e3 * (time.perf_counter() - start))
-    return {name: dict(median_ms=float(np.median(t)), min_ms=float(np.min(t))) for name, t in samples.items()}
+    return {
+        name: dict(median_ms=float(np.median(t)), min_ms=float(np.min(t)))
+        for name, t in samples.items()
+    }
 
 
-def bench_shape(rng, dictionary, rows: int, cols: int, tokens: tuple[int, ...], repeats: int) -> dict:
+def bench_shape(
+    rng, dictionary, rows: int, cols: int, tokens: tuple[int, ...], repeats: int
+) -> dict:
     codes, minmax = synthetic(rng, rows, cols)
     start = time.perf_counter()
     host_w = encode_matrix(codes, minmax, dictionary)
@@ -103,12 +111,14 @@ def bench_shape(rng, dictionary, rows: int, cols: int, tokens: tuple[int, ...], 
     matmul = {}
     for n in tokens:
         xs = jnp.asarray(rng.standard_normal((n, cols)), jnp.float32)
-        one_by_one = jax.jit(lambda w, xs: jnp.stack([ops.matvec(w, token, dictionary) for token in xs]))
+        one_by_one = jax.jit(
+            lambda w, xs: jnp.stack([ops.matvec(w, token, dictionary) for token in xs])
+        )
         matmul[n] = side_by_side(
             {
-                "kernel": lambda: kernel_matmul(w, xs, dictionary),
-                "dense_f32": lambda: dense_matmul(dense, xs),
-                "separate_matvecs": lambda: one_by_one(w, xs),
+                "kernel": lambda xs=xs: kernel_matmul(w, xs, dictionary),
+                "dense_f32": lambda xs=xs: dense_matmul(dense, xs),
+                "separate_matvecs": lambda xs=xs, one_by_one=one_by_one: one_by_one(w, xs),
             },
             repeats,
         )
@@ -129,22 +139,37 @@ def ratio(result: dict, numerator: str, denominator: str) -> float:
 
 def print_tables(results: list[dict]) -> None:
     print("== matvec: ms (median); ratios are kernel / dense ==")
-    print(f"{'shape':>10} | {'kernel f32':>10} {'kernel bf16':>11} | {'dense f32':>9} {'dense bf16':>10} | "
-          f"{'vs f32':>6} {'vs bf16':>7} | {'encode Mw/s':>11}")
+    print(
+        f"{'shape':>10} | {'kernel f32':>10} {'kernel bf16':>11} | {'dense f32':>9} "
+        f"{'dense bf16':>10} | {'vs f32':>6} {'vs bf16':>7} | {'encode Mw/s':>11}"
+    )
     for r in results:
         m = r["matvec"]
-        print(f"{r['rows']:>5}×{r['cols']:<4} | {m['kernel_f32']['median_ms']:10.3f} "
-              f"{m['kernel_bf16']['median_ms']:11.3f} | {m['dense_f32']['median_ms']:9.3f} "
-              f"{m['dense_bf16']['median_ms']:10.3f} | {ratio(m, 'kernel_f32', 'dense_f32'):6.2f} "
-              f"{ratio(m, 'kernel_bf16', 'dense_bf16'):7.3f} | {r['encode_weights_per_s'] / 1e6:11.1f}")
+        times = [
+            m[name]["median_ms"]
+            for name in ("kernel_f32", "kernel_bf16", "dense_f32", "dense_bf16")
+        ]
+        vs_f32, vs_bf16 = ratio(m, "kernel_f32", "dense_f32"), ratio(m, "kernel_bf16", "dense_bf16")
+        print(
+            f"{r['rows']:>5}×{r['cols']:<4} | {times[0]:10.3f} {times[1]:11.3f} | {times[2]:9.3f} "
+            f"{times[3]:10.3f} | {vs_f32:6.2f} {vs_bf16:7.3f} | {r['encode_weights_per_s'] / 1e6:11.1f}"
+        )
     print("== matmul: N tokens, ms (median) ==")
-    print(f"{'shape':>10} {'N':>3} | {'kernel':>8} {'dense f32':>9} {'N matvecs':>9} | "
-          f"{'vs dense':>8} {'vs N matvecs':>12}")
+    print(
+        f"{'shape':>10} {'N':>3} | {'kernel':>8} {'dense f32':>9} {'N matvecs':>9} | "
+        f"{'vs dense':>8} {'vs N matvecs':>12}"
+    )
     for r in results:
         for n, m in r["matmul"].items():
-            print(f"{r['rows']:>5}×{r['cols']:<4} {n:>3} | {m['kernel']['median_ms']:8.3f} "
-                  f"{m['dense_f32']['median_ms']:9.3f} {m['separate_matvecs']['median_ms']:9.3f} | "
-                  f"{ratio(m, 'kernel', 'dense_f32'):8.2f} {ratio(m, 'kernel', 'separate_matvecs'):12.3f}")
+            times = [m[name]["median_ms"] for name in ("kernel", "dense_f32", "separate_matvecs")]
+            vs_dense, vs_matvecs = (
+                ratio(m, "kernel", "dense_f32"),
+                ratio(m, "kernel", "separate_matvecs"),
+            )
+            print(
+                f"{r['rows']:>5}×{r['cols']:<4} {n:>3} | {times[0]:8.3f} {times[1]:9.3f} "
+                f"{times[2]:9.3f} | {vs_dense:8.2f} {vs_matvecs:12.3f}"
+            )
 
 
 def done_criteria(results: list[dict]) -> dict:
@@ -161,15 +186,22 @@ def done_criteria(results: list[dict]) -> dict:
             criteria[f"{name}_matmul16_vs_dense_f32"] = ratio(m, "kernel", "dense_f32")
             criteria[f"{name}_matmul16_vs_16_matvecs"] = ratio(m, "kernel", "separate_matvecs")
             criteria[f"{name}_matmul16_ok (<= 1.0, <= 0.25)"] = (
-                ratio(m, "kernel", "dense_f32") <= 1.0 and ratio(m, "kernel", "separate_matvecs") <= 0.25
+                ratio(m, "kernel", "dense_f32") <= 1.0
+                and ratio(m, "kernel", "separate_matvecs") <= 0.25
             )
     return criteria
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="two shapes, N in {1, 16}, fewer repeats")
-    parser.add_argument("--repeats", type=int, default=None, help="timing rounds (default 50, quick 20)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="two shapes, N in {1, 16}, fewer repeats"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timing rounds (default 50, quick 20)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output", default=os.path.join(os.path.dirname(__file__), "results", "kernels_cpu.json")
@@ -181,8 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     dictionary = build_dictionary(P0)
     isa = os.environ.get("QMOE_CPU_ISA") or ops.cpu_isas()[0]
     load_before = os.getloadavg()
-    print(f"cores: {os.cpu_count()}, kernels: {isa}, load average before: {load_before[0]:.2f} "
-          "(shared machine: other processes add noise)")
+    print(
+        f"cores: {os.cpu_count()}, kernels: {isa}, load average before: {load_before[0]:.2f} "
+        "(shared machine: other processes add noise)"
+    )
     rng = np.random.default_rng(args.seed)
     results = [bench_shape(rng, dictionary, rows, cols, tokens, repeats) for rows, cols in shapes]
     print_tables(results)

@@ -16,14 +16,15 @@ under ``jax.shard_map`` (``expert_parallel``).
 
 Every op has a pure-jnp twin with the same signature (``*_reference``) that
 decodes W densely with ``codec.decode_codes_jnp``; tests hold the kernels to
-them.
+them. The CPU kernels pick AVX-512, AVX2 or portable code at run time
+(``cpu_isas()``); the environment variable QMOE_CPU_ISA forces one.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Union
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +34,7 @@ from qmoe_jax.codec.containers import CompressedExperts, CompressedMatrix
 from qmoe_jax.codec.dictionary import Dictionary
 from qmoe_jax.codec.reference import decode_codes_jnp
 
-Compressed = Union[CompressedMatrix, CompressedExperts]
+Compressed = CompressedMatrix | CompressedExperts
 # core(static, codes, row_offsets, minmax, x[B..., N, cols]) -> y[B..., N, rows]
 _Core = Callable[..., jax.Array]
 
@@ -47,7 +48,9 @@ def _frozen_arrays(w: Compressed) -> tuple[jax.Array, jax.Array, jax.Array]:
     if not isinstance(w, (CompressedMatrix, CompressedExperts)):
         raise TypeError(f"expected a CompressedMatrix or CompressedExperts, got {type(w).__name__}")
     arrays = (jnp.asarray(w.codes), jnp.asarray(w.row_offsets), jnp.asarray(w.minmax))
-    for name, array, dtype in zip(("codes", "row_offsets", "minmax"), arrays, _FORMAT_DTYPES):
+    for name, array, dtype in zip(
+        ("codes", "row_offsets", "minmax"), arrays, _FORMAT_DTYPES, strict=True
+    ):
         if array.dtype != dtype:
             raise TypeError(
                 f"w.{name} must be {dtype} (format v1), got {array.dtype}; "
@@ -112,9 +115,11 @@ def _dense_weights(dictionary: Dictionary, codes, row_offsets, minmax, cols: int
 
 @functools.partial(jax.jit, static_argnums=0)
 def _reference_core(static, codes, row_offsets, minmax, x):
+    dtype = x.dtype
     dense = _dense_weights(static.dictionary, codes, row_offsets, minmax, static.cols)
-    y = jnp.einsum("...nc,...rc->...nr", x.astype(jnp.float32), dense, precision=jax.lax.Precision.HIGHEST)
-    return y.astype(x.dtype)
+    x = x.astype(jnp.float32)
+    y = jnp.einsum("...nc,...rc->...nr", x, dense, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(dtype)
 
 
 def matvec(w: Compressed, x, dictionary: Dictionary) -> jax.Array:
@@ -148,6 +153,27 @@ def matmul(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
     return _apply(_kernels.matmul, w, _token_input(w, x_tokens), dictionary)
 
 
+def dequantize(w: Compressed, dictionary: Dictionary) -> jax.Array:
+    """W as bfloat16[rows, cols] (or [E, rows, cols] for a stack)."""
+    static = _kernels.Static(dictionary, w.cols)
+    return _kernels.dequantize_call(static, *_frozen_arrays(w))
+
+
+def matvec_reference(w: Compressed, x, dictionary: Dictionary) -> jax.Array:
+    """``matvec`` in pure jnp: decode W densely, then multiply in float32."""
+    return _apply(_reference_core, w, _dense_input(w, x, "x"), dictionary)
+
+
+def matmul_reference(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
+    """``matmul`` in pure jnp."""
+    return _apply(_reference_core, w, _token_input(w, x_tokens), dictionary)
+
+
+def dequantize_reference(w: Compressed, dictionary: Dictionary) -> jax.Array:
+    """``dequantize`` in pure jnp."""
+    return _dense_weights(dictionary, *_frozen_arrays(w), w.cols).astype(jnp.bfloat16)
+
+
 def expert_parallel(op: Callable, mesh: jax.sharding.Mesh, axis: str = "expert") -> Callable:
     """Runs ``op`` expert-locally on a stack sharded over devices along E.
 
@@ -178,24 +204,3 @@ def expert_parallel(op: Callable, mesh: jax.sharding.Mesh, axis: str = "expert")
         return local(w, x)
 
     return sharded
-
-
-def dequantize(w: Compressed, dictionary: Dictionary) -> jax.Array:
-    """W as bfloat16[rows, cols] (or [E, rows, cols] for a stack)."""
-    static = _kernels.Static(dictionary, w.cols)
-    return _kernels.dequantize_call(static, *_frozen_arrays(w))
-
-
-def matvec_reference(w: Compressed, x, dictionary: Dictionary) -> jax.Array:
-    """``matvec`` in pure jnp: decode W densely through the masks, then multiply."""
-    return _apply(_reference_core, w, _dense_input(w, x, "x"), dictionary)
-
-
-def matmul_reference(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
-    """``matmul`` in pure jnp."""
-    return _apply(_reference_core, w, _token_input(w, x_tokens), dictionary)
-
-
-def dequantize_reference(w: Compressed, dictionary: Dictionary) -> jax.Array:
-    """``dequantize`` in pure jnp."""
-    return _dense_weights(dictionary, *_frozen_arrays(w), w.cols).astype(jnp.bfloat16)

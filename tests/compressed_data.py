@@ -24,7 +24,9 @@ def minmax(rng: np.random.Generator, rows: int) -> np.ndarray:
 def dense(codes: np.ndarray, row_minmax: np.ndarray) -> np.ndarray:
     """float32 W from ternary codes and per-row (min, max)."""
     values = row_minmax.astype(np.float32)
-    return np.where(codes == 2, values[:, 1:], np.where(codes == 1, values[:, :1], 0.0)).astype(np.float32)
+    return np.where(codes == 2, values[:, 1:], np.where(codes == 1, values[:, :1], 0.0)).astype(
+        np.float32
+    )
 
 
 def matrix(rng, dictionary, rows: int, cols: int, p0: float = 0.885):

@@ -1,12 +1,12 @@
 import functools
 
+import compressed_data
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
-import compressed_data
 from qmoe_jax import ops
 from qmoe_jax.codec import CompressedMatrix, build_dictionary, decode_codes
 
@@ -18,14 +18,16 @@ def dictionary():
     return build_dictionary(0.885)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _matrix(rows, cols, seed=0):
     return compressed_data.matrix(np.random.default_rng(seed), build_dictionary(0.885), rows, cols)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _experts(count, rows, cols, seed=0):
-    return compressed_data.experts(np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols)
+    return compressed_data.experts(
+        np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols
+    )
 
 
 def _tokens(shape, dtype, seed=1):
@@ -88,7 +90,7 @@ def test_expert_stack_in_one_call(dictionary, dtype):
     _assert_close(ops.matvec(stack, x[:, 0], dictionary), expected[:, 0], dtype)
     np.testing.assert_array_equal(np.asarray(ops.dequantize(stack, dictionary), np.float32), dense)
     hlo = jax.jit(ops.matmul, static_argnums=2).lower(stack, x, dictionary).as_text()
-    assert hlo.count('custom_call @qmoe_matmul') == 1
+    assert hlo.count("custom_call @qmoe_matmul") == 1
 
 
 def test_vmap_folds_into_one_call(dictionary):
@@ -108,7 +110,9 @@ def test_vmap_over_a_stack_of_matrices(dictionary):
 
     y = jax.vmap(one)(stack.codes, stack.row_offsets, stack.minmax, x)
     _assert_close(y, np.einsum("ecj,erj->ecr", np.asarray(x), dense), jnp.float32)
-    shared_x = jax.vmap(one, in_axes=(0, 0, 0, None))(stack.codes, stack.row_offsets, stack.minmax, x[0])
+    shared_x = jax.vmap(one, in_axes=(0, 0, 0, None))(
+        stack.codes, stack.row_offsets, stack.minmax, x[0]
+    )
     _assert_close(shared_x, np.einsum("cj,erj->ecr", np.asarray(x[0]), dense), jnp.float32)
 
 
@@ -168,7 +172,9 @@ def test_empty_shapes(dictionary):
     no_rows, _ = _matrix(0, 21)
     assert ops.matmul(no_rows, _tokens((3, 21), jnp.float32), dictionary).shape == (3, 0)
     assert ops.dequantize(no_rows, dictionary).shape == (0, 21)
-    grad = jax.grad(lambda x: ops.matmul(no_rows, x, dictionary).sum())(_tokens((3, 21), jnp.float32))
+    grad = jax.grad(lambda x: ops.matmul(no_rows, x, dictionary).sum())(
+        _tokens((3, 21), jnp.float32)
+    )
     np.testing.assert_array_equal(grad, np.zeros((3, 21)))
 
 

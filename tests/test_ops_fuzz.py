@@ -7,12 +7,12 @@ import subprocess
 import sys
 import textwrap
 
+import compressed_data
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings
 
-import compressed_data
 from qmoe_jax import ops
 from qmoe_jax.codec import build_dictionary
 
@@ -115,7 +115,9 @@ def test_garbage_operands_error_and_never_crash():
     env = dict(os.environ, ISAS=json.dumps(ops.cpu_isas()))
     tests = os.path.dirname(__file__)
     env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", FUZZ], env=env, capture_output=True, text=True, timeout=900)
+    run = subprocess.run(
+        [sys.executable, "-c", FUZZ], env=env, capture_output=True, text=True, timeout=900
+    )
     assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["outcomes"].get("error", 0) > 0 and result["outcomes"].get("ok", 0) > 0, result

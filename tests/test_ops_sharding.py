@@ -43,7 +43,9 @@ def test_expert_parallel_on_four_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     tests = os.path.dirname(__file__)
     env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
