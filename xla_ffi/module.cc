@@ -2,6 +2,7 @@
 // XLA FFI handler capsules. Each source file registers its own functions.
 #include <pybind11/pybind11.h>
 
+#include "cpu_kernels.h"
 #include "encoder.h"
 
 namespace py = pybind11;
@@ -14,4 +15,5 @@ PYBIND11_MODULE(_qmoe_ext, m) {
   m.attr("with_cuda") = false;
 #endif
   qmoe::RegisterEncoder(m);
+  qmoe::cpu::RegisterCpuKernels(m);
 }

@@ -13,6 +13,19 @@
 //   masks[i][0] = plus_mask  | (pair_count << 28)   bit k set: weight k is max
 //   masks[i][1] = minus_mask                         bit k set: weight k is min
 // so that y_r = max_r * sum(x over plus bits) + min_r * sum(x over minus bits).
+//
+// The CPU kernels also take a sparse "slots" form (qmoe_jax.ops computes it
+// once per dictionary from the masks), 16 bytes per entry:
+//   bytes 0..7   positions (0..27) of the entry's plus weights, ascending,
+//                then kUnusedSlot;
+//   bytes 8..14  positions of its minus weights, ascending, then kUnusedSlot;
+//   byte 15      2*pair_count, | kSlotsOverflow if the entry has more than 8
+//                plus or 7 minus weights (kernels then read its masks);
+//                entry 0 also carries kSlotsTableOverflows if any entry of
+//                the table overflows, so kernels check entries only then.
+// With p0 = 0.885 no entry overflows, and a codeword carries ~2.5 nonzero
+// weights on average: a kernel picks them out of a 32-weight window of x with
+// one permute instead of masking all 28 lanes twice.
 #pragma once
 
 #include <cstdint>
@@ -31,5 +44,14 @@ inline constexpr int64_t PaddedCols(int64_t cols) { return cols + (cols & 1); }
 inline constexpr int PairCount(uint32_t mask_word0) {
   return static_cast<int>(mask_word0 >> kPairCountShift);
 }
+
+inline constexpr int kSlotBytes = 16;
+inline constexpr int kPlusSlots = 8;
+inline constexpr int kMinusSlots = 7;
+inline constexpr int kSlotMetaByte = 15;
+inline constexpr uint8_t kUnusedSlot = 31;
+inline constexpr uint8_t kSlotsOverflow = 0x80;
+inline constexpr uint8_t kSlotsTableOverflows = 0x40;
+inline constexpr uint8_t kSlotLengthMask = 0x1F;
 
 }  // namespace qmoe

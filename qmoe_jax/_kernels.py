@@ -1,0 +1,144 @@
+"""Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h).
+
+Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
+(experts, vmapped axes) shared by the compressed arrays and the dense operand;
+N tokens per matrix. The dictionary enters every call as two constants, its
+``masks`` and its sparse ``slots`` form (xla_ffi/qmoe_format.h).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmoe_jax.codec.dictionary import Dictionary
+
+try:
+    from qmoe_jax import _qmoe_ext
+except ImportError as error:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        "qmoe_jax's native extension _qmoe_ext is missing: build/install qmoe_jax first "
+        "(`pip install .`, or for development `cmake -S . -B build/dev -G Ninja && "
+        "cmake --build build/dev` and put the checkout on PYTHONPATH)"
+    ) from error
+
+MATMUL = "qmoe_matmul"
+MATMUL_TRANSPOSED = "qmoe_matmul_t"
+DEQUANTIZE = "qmoe_dequantize"
+PLUS_SLOTS = 8
+MINUS_SLOTS = 7
+UNUSED_SLOT = 31
+SLOTS_OVERFLOW = 0x80
+SLOTS_TABLE_OVERFLOWS = 0x40
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _register_targets() -> None:
+    for platform, targets in _qmoe_ext.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=platform)
+
+
+_register_targets()
+
+
+def cpu_isas() -> list[str]:
+    """Instruction sets the CPU kernels can run on this machine, fastest first."""
+    return list(_qmoe_ext.cpu_isas())
+
+
+def _first_set_bits(bits: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """Positions of the first `slots` set bits of each row (then UNUSED_SLOT), and counts."""
+    count = bits.sum(axis=1)
+    order = np.argsort(~bits, axis=1, kind="stable")[:, :slots]
+    return np.where(np.arange(slots) < count[:, None], order, UNUSED_SLOT), count
+
+
+def slots_from_masks(masks: np.ndarray) -> np.ndarray:
+    """The sparse kernel form of a dictionary (layout in xla_ffi/qmoe_format.h).
+
+    Args:
+      masks: uint32[65536, 2], ``Dictionary.masks``.
+
+    Returns:
+      uint8[65536, 16]: plus positions, minus positions, then the entry length
+      and flags (entry 0 also flags whether any entry overflows).
+    """
+    masks = np.asarray(masks, np.uint32)
+    weight_bits = np.arange(28, dtype=np.uint32)
+    plus = ((masks[:, 0, None] >> weight_bits) & 1).astype(bool)
+    minus = ((masks[:, 1, None] >> weight_bits) & 1).astype(bool)
+    plus_slots, plus_count = _first_set_bits(plus, PLUS_SLOTS)
+    minus_slots, minus_count = _first_set_bits(minus, MINUS_SLOTS)
+    overflow = (plus_count > PLUS_SLOTS) | (minus_count > MINUS_SLOTS)
+    length = 2 * (masks[:, 0] >> 28)
+    meta = length | np.where(overflow, SLOTS_OVERFLOW, 0)
+    meta[0] |= SLOTS_TABLE_OVERFLOWS if overflow.any() else 0
+    return np.concatenate([plus_slots, minus_slots, meta[:, None]], axis=1).astype(np.uint8)
+
+
+@functools.lru_cache(maxsize=8)
+def dictionary_operands(dictionary: Dictionary) -> tuple[jax.Array, jax.Array]:
+    """(masks, slots) of a dictionary as device arrays, computed once per dictionary."""
+    masks = np.asarray(dictionary.masks, np.uint32)
+    with jax.ensure_compile_time_eval():  # concrete even when first asked inside a trace
+        return jnp.asarray(masks), jnp.asarray(slots_from_masks(masks))
+
+
+@dataclasses.dataclass(frozen=True)
+class Static:
+    """What the kernels need besides arrays: the dictionary and W's column count."""
+
+    dictionary: Dictionary
+    cols: int
+
+
+def _call(target: str, static: Static, codes, row_offsets, minmax, *dense, result):
+    masks, slots = dictionary_operands(static.dictionary)
+    return jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(
+        masks, slots, codes, row_offsets, minmax, *dense
+    )
+
+
+def matmul_call(static: Static, codes, row_offsets, minmax, x):
+    """y[B..., N, rows] = W·x for x[B..., N, cols]; no autodiff rule."""
+    rows = minmax.shape[-2]
+    result = jax.ShapeDtypeStruct((*x.shape[:-1], rows), x.dtype)
+    return _call(MATMUL, static, codes, row_offsets, minmax, x, result=result)
+
+
+def matmul_transposed_call(static: Static, codes, row_offsets, minmax, g):
+    """dx[B..., N, cols] = Wᵀ·g for g[B..., N, rows]."""
+    result = jax.ShapeDtypeStruct((*g.shape[:-1], static.cols), g.dtype)
+    return _call(MATMUL_TRANSPOSED, static, codes, row_offsets, minmax, g, result=result)
+
+
+def dequantize_call(static: Static, codes, row_offsets, minmax):
+    """W as bf16[B..., rows, cols]."""
+    masks, slots = dictionary_operands(static.dictionary)
+    result = jax.ShapeDtypeStruct((*minmax.shape[:-1], static.cols), jnp.bfloat16)
+    return jax.ffi.ffi_call(DEQUANTIZE, result, vmap_method="expand_dims")(
+        masks, slots, codes, row_offsets, minmax, cols=np.int64(static.cols)
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def matmul(static: Static, codes, row_offsets, minmax, x):
+    """``matmul_call`` with the input gradient Wᵀ·g; W itself gets zero cotangents."""
+    return matmul_call(static, codes, row_offsets, minmax, x)
+
+
+def _matmul_forward(static, codes, row_offsets, minmax, x):
+    return matmul_call(static, codes, row_offsets, minmax, x), (codes, row_offsets, minmax)
+
+
+def _matmul_backward(static, residuals, g):
+    # None: a zero cotangent of the right type (float0 for the integer arrays).
+    return None, None, None, matmul_transposed_call(static, *residuals, g)
+
+
+matmul.defvjp(_matmul_forward, _matmul_backward)

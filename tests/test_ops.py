@@ -1,0 +1,222 @@
+import functools
+
+import compressed_data
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from qmoe_jax import ops
+from qmoe_jax.codec import CompressedMatrix, build_dictionary, decode_codes
+
+TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+@pytest.fixture(scope="module")
+def dictionary():
+    return build_dictionary(0.885)
+
+
+@functools.cache
+def _matrix(rows, cols, seed=0):
+    return compressed_data.matrix(np.random.default_rng(seed), build_dictionary(0.885), rows, cols)
+
+
+@functools.cache
+def _experts(count, rows, cols, seed=0):
+    return compressed_data.experts(
+        np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols
+    )
+
+
+def _tokens(shape, dtype, seed=1):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
+
+
+def _assert_close(actual, expected, dtype):
+    assert actual.dtype == dtype
+    np.testing.assert_allclose(
+        np.asarray(actual, np.float32), np.asarray(expected, np.float32), **TOLERANCE[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "rows,cols,tokens",
+    [(1, 1, 1), (5, 2, 3), (13, 21, 1), (13, 21, 2), (37, 101, 17), (64, 64, 40), (3, 300, 33)],
+)
+def test_matmul_matches_twin_and_dense(dictionary, dtype, rows, cols, tokens):
+    w, dense = _matrix(rows, cols)
+    x = _tokens((tokens, cols), dtype)
+    expected = np.asarray(x, np.float32) @ dense.T
+    y = jax.jit(ops.matmul, static_argnums=2)(w, x, dictionary)
+    _assert_close(y, expected, dtype)
+    _assert_close(ops.matmul_reference(w, x, dictionary), expected, dtype)
+
+
+def test_dequantize_is_exact(dictionary):
+    w, dense = _matrix(37, 101)
+    for result in (ops.dequantize(w, dictionary), ops.dequantize_reference(w, dictionary)):
+        assert result.dtype == jnp.bfloat16 and result.shape == (37, 101)
+        np.testing.assert_array_equal(np.asarray(result, np.float32), dense)
+
+
+def test_dequantize_agrees_with_reference_decoder(dictionary):
+    w, _ = _matrix(13, 21)
+    codes = decode_codes(w, dictionary)
+    minmax = np.asarray(w.minmax)
+    np.testing.assert_array_equal(
+        np.asarray(ops.dequantize(w, dictionary), np.float32), compressed_data.dense(codes, minmax)
+    )
+
+
+@pytest.mark.parametrize("token_shape", [(), (1,), (2, 3), (0,)])
+def test_matvec_keeps_leading_dims(dictionary, token_shape):
+    w, dense = _matrix(13, 21)
+    x = _tokens((*token_shape, 21), jnp.float32)
+    y = ops.matvec(w, x, dictionary)
+    assert y.shape == (*token_shape, 13)
+    _assert_close(y, np.asarray(x) @ dense.T, jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_expert_stack_in_one_call(dictionary, dtype):
+    stack, dense = _experts(4, 13, 21)
+    x = _tokens((4, 5, 21), dtype)
+    expected = np.einsum("ecj,erj->ecr", np.asarray(x, np.float32), dense)
+    _assert_close(ops.matmul(stack, x, dictionary), expected, dtype)
+    _assert_close(ops.matmul_reference(stack, x, dictionary), expected, dtype)
+    _assert_close(ops.matvec(stack, x[:, 0], dictionary), expected[:, 0], dtype)
+    np.testing.assert_array_equal(np.asarray(ops.dequantize(stack, dictionary), np.float32), dense)
+    hlo = jax.jit(ops.matmul, static_argnums=2).lower(stack, x, dictionary).as_text()
+    assert hlo.count("custom_call @qmoe_matmul") == 1
+
+
+def test_vmap_folds_into_one_call(dictionary):
+    w, dense = _matrix(13, 21)
+    x = _tokens((3, 4, 21), jnp.float32)
+    batched = jax.jit(jax.vmap(jax.vmap(lambda x: ops.matvec(w, x, dictionary))))
+    _assert_close(batched(x), np.asarray(x) @ dense.T, jnp.float32)
+    assert batched.lower(x).as_text().count("custom_call @qmoe_matmul") == 1
+
+
+def test_vmap_over_a_stack_of_matrices(dictionary):
+    stack, dense = _experts(3, 13, 21)
+    x = _tokens((3, 2, 21), jnp.float32)
+
+    def one(codes, row_offsets, minmax, x):
+        return ops.matmul(CompressedMatrix(codes, row_offsets, minmax, 21), x, dictionary)
+
+    y = jax.vmap(one)(stack.codes, stack.row_offsets, stack.minmax, x)
+    _assert_close(y, np.einsum("ecj,erj->ecr", np.asarray(x), dense), jnp.float32)
+    shared_x = jax.vmap(one, in_axes=(0, 0, 0, None))(
+        stack.codes, stack.row_offsets, stack.minmax, x[0]
+    )
+    _assert_close(shared_x, np.einsum("cj,erj->ecr", np.asarray(x[0]), dense), jnp.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_input_gradient_is_transposed_product(dictionary, dtype):
+    w, dense = _matrix(37, 101)
+    x = _tokens((5, 101), dtype)
+    cotangent = _tokens((5, 37), jnp.float32, seed=2)
+
+    def loss(op, x):
+        return (op(w, x, dictionary).astype(jnp.float32) * cotangent).sum()
+
+    grad = jax.jit(jax.grad(functools.partial(loss, ops.matmul)))(x)
+    assert grad.dtype == dtype
+    _assert_close(grad, np.asarray(cotangent) @ dense, dtype)
+    _assert_close(jax.grad(functools.partial(loss, ops.matmul_reference))(x), grad, dtype)
+
+
+def test_gradient_under_vmap_and_for_stacks(dictionary):
+    stack, dense = _experts(3, 13, 21)
+    x = _tokens((3, 4, 21), jnp.float32)
+    grad = jax.grad(lambda x: ops.matmul(stack, x, dictionary).sum())(x)
+    _assert_close(grad, np.broadcast_to(dense.sum(axis=1)[:, None], x.shape), jnp.float32)
+    w, dense = _matrix(13, 21)
+    per_example = jax.vmap(jax.grad(lambda x: ops.matvec(w, x, dictionary).sum()))(x[0])
+    _assert_close(per_example, np.broadcast_to(dense.sum(axis=0), (4, 21)), jnp.float32)
+
+
+def test_compressed_weights_are_frozen(dictionary):
+    w, _ = _matrix(13, 21)
+    x = _tokens((2, 21), jnp.float32)
+
+    def loss(minmax):
+        return ops.matmul(CompressedMatrix(w.codes, w.row_offsets, minmax, 21), x, dictionary).sum()
+
+    grad = jax.grad(loss)(jnp.asarray(w.minmax))
+    assert grad.dtype == jnp.bfloat16 and not np.asarray(grad, np.float32).any()
+
+
+@pytest.mark.parametrize("isa", ops.cpu_isas())
+@pytest.mark.parametrize("cols", [21, 64, 300])
+def test_each_instruction_set(dictionary, monkeypatch, isa, cols):
+    monkeypatch.setenv("QMOE_CPU_ISA", isa)
+    w, dense = _matrix(19, cols, seed=3)
+    for tokens in (1, 5, 20):
+        x = _tokens((tokens, cols), jnp.float32)
+        _assert_close(ops.matmul(w, x, dictionary), np.asarray(x) @ dense.T, jnp.float32)
+    g = _tokens((3, 19), jnp.float32)
+    _, pullback = jax.vjp(lambda x: ops.matmul(w, x, dictionary), _tokens((3, cols), jnp.float32))
+    _assert_close(pullback(g)[0], np.asarray(g) @ dense, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
+
+
+def test_empty_shapes(dictionary):
+    w, _ = _matrix(13, 21)
+    assert ops.matmul(w, jnp.zeros((0, 21)), dictionary).shape == (0, 13)
+    no_rows, _ = _matrix(0, 21)
+    assert ops.matmul(no_rows, _tokens((3, 21), jnp.float32), dictionary).shape == (3, 0)
+    assert ops.dequantize(no_rows, dictionary).shape == (0, 21)
+    grad = jax.grad(lambda x: ops.matmul(no_rows, x, dictionary).sum())(
+        _tokens((3, 21), jnp.float32)
+    )
+    np.testing.assert_array_equal(grad, np.zeros((3, 21)))
+
+
+def test_bad_inputs_raise_clear_errors(dictionary):
+    w, _ = _matrix(13, 21)
+    with pytest.raises(TypeError, match="float32 or bfloat16"):
+        ops.matvec(w, jnp.zeros(21, jnp.int32), dictionary)
+    with pytest.raises(ValueError, match="needs 21 columns"):
+        ops.matvec(w, jnp.zeros(20), dictionary)
+    with pytest.raises(ValueError, match=r"x_tokens must be \[N, cols\]"):
+        ops.matmul(w, jnp.zeros((2, 3, 21)), dictionary)
+    wide_codes = compressed_data.with_arrays(w, codes=np.asarray(w.codes, np.int32))
+    with pytest.raises(TypeError, match="codes must be uint16"):
+        ops.matvec(wide_codes, jnp.zeros(21), dictionary)
+
+
+def test_corrupt_matrices_raise_naming_the_row(dictionary):
+    w, _ = _matrix(13, 21)
+    offsets = np.asarray(w.row_offsets).copy()
+    offsets[5], offsets[6] = offsets[6], offsets[5]
+    with pytest.raises(Exception, match="row_offsets decrease at row 5"):
+        ops.matvec(compressed_data.with_arrays(w, row_offsets=offsets), jnp.zeros(21), dictionary)
+    offsets = np.asarray(w.row_offsets).copy()
+    offsets[-1] += 1000
+    with pytest.raises(Exception, match="past the .* codewords"):
+        ops.dequantize(compressed_data.with_arrays(w, row_offsets=offsets), dictionary)
+    narrow, _ = _matrix(13, 19)
+    wide = CompressedMatrix(narrow.codes, narrow.row_offsets, narrow.minmax, 21)
+    with pytest.raises(Exception, match="row 0 decodes to 20 weights, expected 22"):
+        ops.matmul(wide, jnp.zeros((3, 21)), dictionary)
+
+
+def test_unknown_instruction_set_is_an_error(dictionary, monkeypatch):
+    w, _ = _matrix(13, 21)
+    monkeypatch.setenv("QMOE_CPU_ISA", "sse9")
+    with pytest.raises(Exception, match="QMOE_CPU_ISA must be"):
+        ops.matvec(w, jnp.zeros(21), dictionary)
+
+
+def test_bfloat16_results_round_to_nearest_even(dictionary):
+    w, dense = _matrix(37, 101)
+    x = _tokens((4, 101), jnp.bfloat16)
+    exact = (np.asarray(x, np.float32) @ dense.T).astype(ml_dtypes.bfloat16)
+    mismatch = np.asarray(ops.matmul(w, x, dictionary)) != exact
+    assert mismatch.mean() < 0.05  # only f32 summation-order ties differ

@@ -1,0 +1,125 @@
+"""Property and fuzz tests of the kernels: random well-formed matrices agree with
+the dense product; garbage operands give an error, never a crash."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import compressed_data
+import hypothesis.strategies as st
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+
+from qmoe_jax import ops
+from qmoe_jax.codec import build_dictionary
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    cols=st.integers(1, 70),
+    tokens=st.integers(1, 20),
+    p0=st.sampled_from([0.5, 0.885, 0.97]),
+    seed=st.integers(0, 2**31),
+)
+def test_random_matrices_match_the_dense_product(rows, cols, tokens, p0, seed):
+    dictionary = build_dictionary(0.885)
+    rng = np.random.default_rng(seed)
+    w, dense = compressed_data.matrix(rng, dictionary, rows, cols, p0)
+    x = rng.standard_normal((tokens, cols)).astype(np.float32)
+    np.testing.assert_allclose(ops.matmul(w, x, dictionary), x @ dense.T, rtol=1e-5, atol=1e-5)
+    g = rng.standard_normal((tokens, rows)).astype(np.float32)
+    dx = ops._kernels.matmul_transposed_call(
+        ops._kernels.Static(dictionary, cols), w.codes, w.row_offsets, jnp.asarray(w.minmax), g
+    )
+    np.testing.assert_allclose(dx, g @ dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
+
+
+FUZZ = textwrap.dedent(
+    """
+    import collections, json, os
+    import jax, jax.numpy as jnp, ml_dtypes, numpy as np
+    import compressed_data
+    from qmoe_jax import _kernels
+    from qmoe_jax.codec import build_dictionary
+
+    dictionary = build_dictionary(0.885)
+    masks, slots = (np.asarray(a) for a in _kernels.dictionary_operands(dictionary))
+    rng = np.random.default_rng(0)
+    rows, cols, n_codes = 7, 33, 40
+    outcomes = collections.Counter()
+    messages = set()
+
+    def call(target, dense, result, dictionary_forms, codes, offsets, minmax, **attributes):
+        fn = jax.ffi.ffi_call(target, result, vmap_method="expand_dims")
+        return np.asarray(fn(*dictionary_forms, codes, offsets, minmax, *dense, **attributes))
+
+    def run_all(forms, codes, offsets, minmax):
+        batch = codes.shape[:-1]
+        x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
+        g = rng.standard_normal((*batch, 3, rows)).astype(np.float32)
+        cases = [
+            ("qmoe_matmul", (x,), jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), {}),
+            ("qmoe_matmul", (x[..., :1, :],), jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32), {}),
+            ("qmoe_matmul_t", (g,), jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32), {}),
+            ("qmoe_dequantize", (), jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
+             dict(cols=np.int64(cols))),
+        ]
+        for target, dense, result, attributes in cases:
+            try:
+                call(target, dense, result, forms, codes, offsets, minmax, **attributes)
+                outcomes["ok"] += 1
+            except Exception as error:
+                outcomes["error"] += 1
+                messages.add(str(error).splitlines()[0][:80])
+
+    good, _ = compressed_data.matrix(rng, dictionary, rows, cols)
+    good_codes = np.zeros(n_codes, np.uint16)
+    good_codes[: len(good.codes)] = good.codes
+    for isa in json.loads(os.environ["ISAS"]):
+        os.environ["QMOE_CPU_ISA"] = isa
+        for case in range(60):
+            kind = case % 7
+            codes = good_codes.copy()
+            offsets = np.asarray(good.row_offsets).copy()
+            minmax = rng.integers(0, 2**16, (rows, 2), dtype=np.uint16).view(ml_dtypes.bfloat16)
+            forms = (masks, slots)
+            if kind == 0:
+                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
+            elif kind == 1:
+                offsets = rng.integers(-5, 2 * n_codes, rows + 1, dtype=np.int32)
+            elif kind == 2:
+                offsets = np.sort(rng.integers(0, n_codes + 1, rows + 1)).astype(np.int32)
+                offsets[0] = 0
+                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
+            elif kind == 3:
+                flips = rng.integers(0, len(good.codes), 3)
+                codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
+            elif kind == 4:
+                forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32),
+                         rng.integers(0, 256, slots.shape, dtype=np.uint8))
+            elif kind == 5:
+                forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8))
+            run_all(forms, codes, offsets, minmax)
+            run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
+    print(json.dumps(dict(outcomes=outcomes, messages=sorted(messages))))
+    """
+)
+
+
+def test_garbage_operands_error_and_never_crash():
+    env = dict(os.environ, ISAS=json.dumps(ops.cpu_isas()))
+    tests = os.path.dirname(__file__)
+    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-c", FUZZ], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["outcomes"].get("error", 0) > 0 and result["outcomes"].get("ok", 0) > 0, result
+    for message in result["messages"]:
+        assert "qmoe_" in message, message

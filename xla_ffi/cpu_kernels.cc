@@ -1,0 +1,317 @@
+// CPU handlers of the qmoe_jax FFI targets (contract in cpu_kernels.h):
+// validation, then units of work (cpu_units.h) spread over XLA's thread pool.
+// When there are fewer units than threads, each unit's rows are split too.
+#include "cpu_kernels.h"
+
+#include <algorithm>
+#include <string>
+
+#include "cpu_operands.h"
+#include "cpu_parallel.h"
+#include "cpu_row_kernels.h"
+#include "cpu_units.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace qmoe::cpu {
+namespace {
+
+constexpr const char* kMatmul = "qmoe_matmul";
+constexpr const char* kMatmulTransposed = "qmoe_matmul_t";
+constexpr const char* kDequantize = "qmoe_dequantize";
+
+ffi::Error CheckFloat(const char* op, const char* name, ffi::DataType type) {
+  if (type == ffi::DataType::F32 || type == ffi::DataType::BF16) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(std::string(op) + ": " + name +
+                                     " must be float32 or bfloat16");
+}
+
+ffi::Error FailureError(const char* op, const CompressedOperands& w,
+                        const std::vector<TokenGroup>& groups, const FirstFailure& failure) {
+  const int64_t index = failure.index();
+  return BadRowError(op, w, groups[index / w.rows].matrix, index % w.rows);
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
+                      ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
+                      ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                      ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+  if (auto error = CheckFloat(kMatmul, "x", x.element_type()); error.failure()) return error;
+  const Dims y_dims = y->dimensions();
+  const Dims x_dims = x.dimensions();
+  if (y->element_type() != x.element_type() || y_dims.size() < 2 ||
+      x_dims.size() != y_dims.size()) {
+    return ffi::Error::InvalidArgument(
+        std::string(kMatmul) + ": x [B..., N, cols] and y [B..., N, rows] must share rank and "
+        "dtype; got x " + ShapeString(x_dims) + ", y " + ShapeString(y_dims));
+  }
+  const Dims batch(y_dims.begin(), y_dims.size() - 2);
+  const int64_t tokens = y_dims[y_dims.size() - 2];
+  CompressedOperands w;
+  if (auto error = CheckCompressed(kMatmul, masks, slots, codes, row_offsets, minmax, batch,
+                                   x_dims.back(), &w);
+      error.failure()) {
+    return error;
+  }
+  if (y_dims.back() != w.rows) {
+    return ffi::Error::InvalidArgument(std::string(kMatmul) + ": y must have " +
+                                       std::to_string(w.rows) + " columns (rows of minmax); got " +
+                                       ShapeString(y_dims));
+  }
+  std::vector<int64_t> x_batch_index;
+  if (auto error = CheckDense(kMatmul, "x", x_dims, w.batch, tokens, w.cols, &x_batch_index);
+      error.failure()) {
+    return error;
+  }
+  const RowKernels* kernels;
+  if (auto error = SelectKernels(kMatmul, &kernels); error.failure()) return error;
+  if (tokens == 0 || w.rows == 0 || w.batch_size == 0) return ffi::Error::Success();
+
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  const DenseRows x_rows{x.untyped_data(), bf16, w.cols};
+  const DenseRows y_rows{y->untyped_data(), bf16, w.rows};
+  const std::vector<TokenGroup> groups = GroupTokens(w, x_batch_index, tokens);
+  const std::vector<Unit> units = Units(groups, /*always_blocks=*/false);
+  const int64_t unit_count = static_cast<int64_t>(units.size());
+  const int64_t workers = Workers(pool);
+  FirstFailure failure;
+  if (unit_count >= 2 * workers) {
+    ParallelFor(pool, unit_count, [&](int64_t u) {
+      float* buffer = Reserve(ThreadScratch().tokens, TokenBufferSize(w.cols, units[u]));
+      LoadTokens(units[u], groups[units[u].group].in_rows, x_rows, buffer);
+      MatmulRows(w, *kernels, groups, units[u], buffer, {0, w.rows}, y_rows, failure);
+    });
+  } else {
+    std::vector<std::vector<float>> buffers(unit_count);
+    ParallelFor(pool, unit_count, [&](int64_t u) {
+      buffers[u].resize(TokenBufferSize(w.cols, units[u]));
+      LoadTokens(units[u], groups[units[u].group].in_rows, x_rows, buffers[u].data());
+    });
+    const int64_t splits = RowSplits(w.rows, unit_count, workers);
+    ParallelFor(pool, unit_count * splits, [&](int64_t task) {
+      const int64_t u = task / splits;
+      MatmulRows(w, *kernels, groups, units[u], buffers[u].data(),
+                 Split(w.rows, splits, task % splits), y_rows, failure);
+    });
+  }
+  if (failure.failed()) return FailureError(kMatmul, w, groups, failure);
+  return ffi::Error::Success();
+}
+
+ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
+                                ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
+                                ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                                ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx) {
+  const char* op = kMatmulTransposed;
+  if (auto error = CheckFloat(op, "g", g.element_type()); error.failure()) return error;
+  const Dims dx_dims = dx->dimensions();
+  const Dims g_dims = g.dimensions();
+  if (dx->element_type() != g.element_type() || dx_dims.size() < 2 ||
+      g_dims.size() != dx_dims.size()) {
+    return ffi::Error::InvalidArgument(
+        std::string(op) + ": g [B..., N, rows] and dx [B..., N, cols] must share rank and "
+        "dtype; got g " + ShapeString(g_dims) + ", dx " + ShapeString(dx_dims));
+  }
+  const Dims batch(dx_dims.begin(), dx_dims.size() - 2);
+  const int64_t tokens = dx_dims[dx_dims.size() - 2];
+  CompressedOperands w;
+  if (auto error = CheckCompressed(op, masks, slots, codes, row_offsets, minmax, batch,
+                                   dx_dims.back(), &w);
+      error.failure()) {
+    return error;
+  }
+  std::vector<int64_t> g_batch_index;
+  if (auto error = CheckDense(op, "g", g_dims, w.batch, tokens, w.rows, &g_batch_index);
+      error.failure()) {
+    return error;
+  }
+  const RowKernels* kernels;
+  if (auto error = SelectKernels(op, &kernels); error.failure()) return error;
+  if (tokens == 0 || w.cols == 0 || w.batch_size == 0) return ffi::Error::Success();
+
+  const bool bf16 = g.element_type() == ffi::DataType::BF16;
+  const DenseRows g_rows{g.untyped_data(), bf16, w.rows};
+  const DenseRows dx_rows{dx->untyped_data(), bf16, w.cols};
+  const std::vector<TokenGroup> groups = GroupTokens(w, g_batch_index, tokens);
+  const std::vector<Unit> units = Units(groups, /*always_blocks=*/true);
+  const int64_t unit_count = static_cast<int64_t>(units.size());
+  const int64_t workers = Workers(pool);
+  const int64_t sums_size = (w.padded_cols + kDensePad) * kTokenLanes;
+  // Writes dx for a unit's tokens, columns [columns.begin, columns.end), from partial sums.
+  const auto store = [&](const Unit& unit, const float* const* parts, int64_t part_count,
+                         RowRange columns) {
+    const TokenGroup& group = groups[unit.group];
+    for (int64_t t = 0; t < unit.count; ++t) {
+      for (int64_t j = columns.begin; j < columns.end; ++j) {
+        float total = 0.0f;
+        for (int64_t p = 0; p < part_count; ++p) total += parts[p][j * kTokenLanes + t];
+        dx_rows.Set(group.out_rows[unit.first + t], j, total);
+      }
+    }
+  };
+  FirstFailure failure;
+  if (unit_count >= 2 * workers) {
+    ParallelFor(pool, unit_count, [&](int64_t u) {
+      Scratch& scratch = ThreadScratch();
+      float* gradient = Reserve(scratch.tokens, TokenBufferSize(w.rows, units[u]));
+      float* sums = Reserve(scratch.sums, sums_size);
+      LoadTokens(units[u], groups[units[u].group].in_rows, g_rows, gradient);
+      std::fill(sums, sums + sums_size, 0.0f);
+      TransposedRows(w, *kernels, groups, units[u], gradient, {0, w.rows}, sums, failure);
+      store(units[u], &sums, 1, {0, w.cols});
+    });
+  } else {
+    const int64_t splits = RowSplits(w.rows, unit_count, workers);
+    std::vector<std::vector<float>> gradients(unit_count);
+    std::vector<std::vector<float>> partial(unit_count * splits);
+    ParallelFor(pool, unit_count, [&](int64_t u) {
+      gradients[u].resize(TokenBufferSize(w.rows, units[u]));
+      LoadTokens(units[u], groups[units[u].group].in_rows, g_rows, gradients[u].data());
+    });
+    ParallelFor(pool, unit_count * splits, [&](int64_t task) {
+      const int64_t u = task / splits;
+      partial[task].assign(sums_size, 0.0f);
+      TransposedRows(w, *kernels, groups, units[u], gradients[u].data(),
+                     Split(w.rows, splits, task % splits), partial[task].data(), failure);
+    });
+    if (failure.failed()) return FailureError(op, w, groups, failure);
+    ParallelFor(pool, unit_count * splits, [&](int64_t task) {
+      const int64_t u = task / splits;
+      std::vector<const float*> parts(splits);
+      for (int64_t p = 0; p < splits; ++p) parts[p] = partial[u * splits + p].data();
+      store(units[u], parts.data(), splits, Split(w.cols, splits, task % splits));
+    });
+  }
+  if (failure.failed()) return FailureError(op, w, groups, failure);
+  return ffi::Error::Success();
+}
+
+ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
+                          ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
+                          ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                          int64_t cols, ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
+  const Dims dims = weights->dimensions();
+  if (dims.size() < 2 || dims.back() != cols) {
+    return ffi::Error::InvalidArgument(std::string(kDequantize) +
+                                       ": the result must have shape [B..., rows, cols] with "
+                                       "cols = " + std::to_string(cols) + "; got " +
+                                       ShapeString(dims));
+  }
+  CompressedOperands w;
+  if (auto error = CheckCompressed(kDequantize, masks, slots, codes, row_offsets, minmax,
+                                   Dims(dims.begin(), dims.size() - 2), cols, &w);
+      error.failure()) {
+    return error;
+  }
+  if (dims[dims.size() - 2] != w.rows) {
+    return ffi::Error::InvalidArgument(std::string(kDequantize) + ": the result must have " +
+                                       std::to_string(w.rows) + " rows (rows of minmax); got " +
+                                       ShapeString(dims));
+  }
+  const RowKernels* kernels;
+  if (auto error = SelectKernels(kDequantize, &kernels); error.failure()) return error;
+  if (w.rows == 0 || w.batch_size == 0) return ffi::Error::Success();
+
+  const int64_t splits = RowSplits(w.rows, w.batch_size, Workers(pool));
+  FirstFailure failure;
+  ParallelFor(pool, w.batch_size * splits, [&](int64_t task) {
+    const int64_t b = task / splits;
+    const WeightMatrix& matrix = w.matrix_of_batch[b];
+    Scratch& scratch = ThreadScratch();
+    int32_t* plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
+    int32_t* minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+    const RowRange rows = Split(w.rows, splits, task % splits);
+    for (int64_t r = rows.begin; r < rows.end; ++r) {
+      const int32_t begin = matrix.row_offsets[r];
+      int64_t plus_count, minus_count;
+      if (!kernels->row_nonzeros(w.dictionary, matrix.codes + begin,
+                                 matrix.row_offsets[r + 1] - begin, w.padded_cols, plus_index,
+                                 &plus_count, minus_index, &minus_count)) {
+        failure.Record(b * w.rows + r);
+        return;
+      }
+      uint16_t* out = weights->typed_data() + (b * w.rows + r) * cols;
+      std::fill(out, out + cols, uint16_t{0});
+      for (int64_t i = 0; i < plus_count; ++i) {
+        if (plus_index[i] < cols) out[plus_index[i]] = matrix.minmax[2 * r + 1];
+      }
+      for (int64_t i = 0; i < minus_count; ++i) {
+        if (minus_index[i] < cols) out[minus_index[i]] = matrix.minmax[2 * r];
+      }
+    }
+  });
+  if (failure.failed()) {
+    const int64_t index = failure.index();
+    return BadRowError(kDequantize, w, w.matrix_of_batch[index / w.rows], index % w.rows);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+}  // namespace qmoe::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulCpu, qmoe::cpu::MatmulImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
+                                  .Arg<xla::ffi::AnyBuffer>()               // x f32|bf16[B..., N, cols]
+                                  .Ret<xla::ffi::AnyBuffer>());             // y [B..., N, rows]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulTransposedCpu, qmoe::cpu::MatmulTransposedImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
+                                  .Arg<xla::ffi::AnyBuffer>()               // g f32|bf16[B..., N, rows]
+                                  .Ret<xla::ffi::AnyBuffer>());             // dx [B..., N, cols]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeDequantizeCpu, qmoe::cpu::DequantizeImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
+                                  .Attr<int64_t>("cols")                    // columns of W
+                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>());  // w bf16[B..., rows, cols]
+
+namespace qmoe::cpu {
+
+void RegisterCpuKernels(pybind11::module_& module) {
+  namespace py = pybind11;
+  const auto capsule = [](auto* handler) { return py::capsule(reinterpret_cast<void*>(handler)); };
+  module.def(
+      "registrations",
+      [capsule] {
+        py::dict cpu;
+        cpu["qmoe_matmul"] = capsule(QmoeMatmulCpu);
+        cpu["qmoe_matmul_t"] = capsule(QmoeMatmulTransposedCpu);
+        cpu["qmoe_dequantize"] = capsule(QmoeDequantizeCpu);
+        py::dict platforms;
+        platforms["cpu"] = cpu;
+        return platforms;
+      },
+      "XLA FFI handler capsules by platform, then target name.");
+  module.def(
+      "cpu_isas",
+      [] {
+        py::list isas;
+        if (CpuHasAvx512()) isas.append("avx512");
+        if (CpuHasAvx2()) isas.append("avx2");
+        isas.append("portable");
+        return isas;
+      },
+      "Instruction sets the CPU kernels can run here, fastest first.");
+}
+
+}  // namespace qmoe::cpu

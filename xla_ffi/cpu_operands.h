@@ -1,0 +1,72 @@
+// Validation of the FFI operands and their leading batch dims B... (see the
+// contract in cpu_kernels.h), and grouping of token rows by weight matrix so
+// that every matrix is decoded once per call, however its tokens arrive
+// (an expert stack, a vmapped axis, or a broadcast matrix).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "cpu_row_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace qmoe::cpu {
+
+using Dims = xla::ffi::Span<const int64_t>;
+
+// One compressed matrix inside the operands.
+struct WeightMatrix {
+  const uint16_t* codes;        // the matrix's code stream
+  const int32_t* row_offsets;   // [rows + 1], validated
+  const uint16_t* minmax;       // bf16 bits, [rows][2] = (min, max)
+  int64_t batch_index;          // flat index over B... of its first use, for messages
+};
+
+// The compressed operands of one call, validated.
+struct CompressedOperands {
+  DictionaryView dictionary;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  int64_t padded_cols = 0;
+  std::vector<int64_t> batch;                 // B..., the result's leading dims
+  int64_t batch_size = 1;                     // product of B...
+  std::vector<WeightMatrix> matrix_of_batch;  // one per flat index over B...
+};
+
+// Token rows of one weight matrix: flat row indices into the dense operand
+// (viewed as [*, in_width]) and the result (viewed as [*, out_width]).
+struct TokenGroup {
+  WeightMatrix matrix;
+  std::vector<int64_t> in_rows;
+  std::vector<int64_t> out_rows;
+};
+
+// Checks masks, slots, codes, row_offsets and minmax against a result with
+// leading dims `batch` and `cols` columns; validates every row_offsets
+// matrix. `op` prefixes messages.
+xla::ffi::Error CheckCompressed(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
+                                xla::ffi::Buffer<xla::ffi::U8> slots,
+                                xla::ffi::Buffer<xla::ffi::U16> codes,
+                                xla::ffi::Buffer<xla::ffi::S32> row_offsets,
+                                xla::ffi::Buffer<xla::ffi::BF16> minmax, Dims batch, int64_t cols,
+                                CompressedOperands* operands);
+
+// Checks a dense operand [B'..., tokens, width] whose B'... broadcasts to
+// `batch`; sets `in_batch_index[b]`, the operand's flat batch index for each
+// result batch index b.
+xla::ffi::Error CheckDense(const char* op, const char* name, Dims dims,
+                           const std::vector<int64_t>& batch, int64_t tokens, int64_t width,
+                           std::vector<int64_t>* in_batch_index);
+
+// Groups the result's token rows (batch_size x tokens) by weight matrix.
+std::vector<TokenGroup> GroupTokens(const CompressedOperands& operands,
+                                    const std::vector<int64_t>& in_batch_index, int64_t tokens);
+
+// The message for a row that does not decode to padded_cols weights.
+xla::ffi::Error BadRowError(const char* op, const CompressedOperands& operands,
+                            const WeightMatrix& matrix, int64_t row);
+
+std::string ShapeString(Dims dims);
+
+}  // namespace qmoe::cpu

@@ -1,0 +1,72 @@
+// Parallel loops over XLA's intra-op thread pool (the FFI execution context's
+// ThreadPool). XLA may run scheduled tasks later, on fewer threads, or on the
+// calling thread, so the caller works too and helpers that start after all
+// tasks are claimed exit at once: the loop never waits on a task that is not
+// already running.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <mutex>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace qmoe::cpu {
+
+// Threads a loop may use: XLA's pool plus the caller (at least 1).
+inline int64_t Workers(xla::ffi::ThreadPool& pool) {
+  return std::max<int64_t>(1, pool.num_threads());
+}
+
+// Runs body(task) for every task in [0, tasks) and returns when all are done.
+template <typename Body>
+void ParallelFor(xla::ffi::ThreadPool& pool, int64_t tasks, const Body& body) {
+  if (tasks <= 0) return;
+  struct Loop {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> finished{0};
+    int64_t tasks = 0;
+    const Body* body = nullptr;  // valid while finished < tasks
+    std::mutex mutex;
+    std::condition_variable all_finished;
+
+    void Work() {
+      int64_t done = 0;
+      for (int64_t task; (task = next.fetch_add(1)) < tasks; ++done) (*body)(task);
+      if (done > 0 && finished.fetch_add(done) + done == tasks) {
+        std::lock_guard<std::mutex> lock(mutex);
+        all_finished.notify_all();
+      }
+    }
+  };
+  auto loop = std::make_shared<Loop>();
+  loop->tasks = tasks;
+  loop->body = &body;
+  const int64_t helpers = std::min(tasks, Workers(pool)) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([loop] { loop->Work(); });
+  loop->Work();
+  std::unique_lock<std::mutex> lock(loop->mutex);
+  loop->all_finished.wait(lock, [&] { return loop->finished.load() == tasks; });
+}
+
+// Records the smallest failing index among concurrent tasks.
+class FirstFailure {
+ public:
+  void Record(int64_t index) {
+    int64_t current = first_.load();
+    while (index < current && !first_.compare_exchange_weak(current, index)) {
+    }
+  }
+  bool failed() const { return first_.load() != kNone; }
+  int64_t index() const { return first_.load(); }
+
+ private:
+  static constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
+  std::atomic<int64_t> first_{kNone};
+};
+
+}  // namespace qmoe::cpu

@@ -1,0 +1,105 @@
+// Per-row inner loops of the CPU kernels, one implementation per instruction
+// set (portable C++, AVX2, AVX-512), chosen at run time by cpu_kernels.cc.
+//
+// Lingo: a row's codes decode left to right into `padded_cols` weights; a
+// codeword starting at weight position `pos` covers 2*pair_count weights.
+// "Plus" weights are the row maximum, "minus" weights the row minimum, so
+// y_r = max_r * plus_sum + min_r * minus_sum.
+//
+// Memory safety does not depend on the operands: every loop stops before a
+// codeword that would start at or past `padded_cols`, a codeword covers at
+// most 31 weights, and buffers carry kDensePad slack behind `padded_cols`.
+// Garbage codes or dictionaries give wrong numbers or a `false` return,
+// never an out-of-bounds access.
+#pragma once
+
+#include <cstdint>
+
+#include "qmoe_format.h"
+
+namespace qmoe::cpu {
+
+// Zero floats behind each dense row, so a 32-float window at any codeword
+// start stays inside the buffer.
+inline constexpr int64_t kDensePad = 32;
+// Tokens per block in the token-major ("transposed") layouts.
+inline constexpr int64_t kTokenLanes = 16;
+// Slack entries behind `padded_cols` in each nonzero-position list.
+inline constexpr int64_t kIndexSlack = 32;
+
+// The two kernel forms of a dictionary (see qmoe_format.h).
+struct DictionaryView {
+  const uint32_t* masks;  // [65536][2]
+  const uint8_t* slots;   // [65536][16]
+  bool slots_overflow;    // some entry overflows its slots (kSlotsTableOverflows)
+};
+
+// Rows [begin, end) of one compressed matrix.
+struct RowSpan {
+  const uint16_t* codes;
+  const int32_t* row_offsets;  // validated
+  int64_t begin;
+  int64_t end;
+};
+
+struct RowKernels {
+  const char* isa;
+  // For each row r of `rows`, sums x over its plus and minus weights into
+  // plus_sums[r - begin] and minus_sums[r - begin]. `x` holds padded_cols +
+  // kDensePad floats, zero from `cols` on. Returns the first row whose codes
+  // do not decode to exactly `padded_cols` weights, or rows.end.
+  int64_t (*rows_dot)(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
+                      int64_t padded_cols, float* plus_sums, float* minus_sums);
+  // Lists the positions of one row's plus and minus weights in ascending
+  // order. Each list needs room for padded_cols + kIndexSlack entries.
+  // Returns false unless the codes decode to exactly `padded_cols` weights.
+  bool (*row_nonzeros)(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
+                       int64_t padded_cols, int32_t* plus, int64_t* plus_count, int32_t* minus,
+                       int64_t* minus_count);
+  // sum[0:16] = sum over i of table[16 * index[i] : 16 * index[i] + 16].
+  void (*gather_token_rows)(const float* table, const int32_t* index, int64_t count, float* sum);
+  // table[16 * index[i] : 16 * index[i] + 16] += value[0:16] for every i.
+  void (*scatter_token_rows)(float* table, const int32_t* index, int64_t count,
+                             const float* value);
+};
+
+const RowKernels& PortableRowKernels();
+const RowKernels& Avx2RowKernels();    // call only where CpuHasAvx2()
+const RowKernels& Avx512RowKernels();  // call only where CpuHasAvx512()
+
+bool CpuHasAvx2();
+bool CpuHasAvx512();
+
+// Shared by every instruction set, so that all of them agree on where a row
+// ends: a codeword's length in weights comes from its slots (0..31).
+inline uint32_t EntryLength(const DictionaryView& dictionary, uint16_t code) {
+  return dictionary.slots[kSlotBytes * static_cast<uint32_t>(code) + kSlotMetaByte] &
+         kSlotLengthMask;
+}
+
+// The plus and minus bits of a codeword from the masks, limited to its own
+// `length` weights.
+inline void EntryBits(const DictionaryView& dictionary, uint16_t code, uint32_t length,
+                      uint32_t* plus, uint32_t* minus) {
+  const uint32_t* entry = dictionary.masks + 2 * static_cast<uint32_t>(code);
+  const uint32_t within = kWeightMask & ((1u << length) - 1u);  // length <= 31
+  *plus = entry[0] & within;
+  *minus = entry[1] & within;
+}
+
+// rows_dot for instruction sets that decode one row at a time.
+template <bool (*RowDot)(const DictionaryView&, const uint16_t*, int64_t, const float*, int64_t,
+                         float*, float*)>
+int64_t RowsDotOneByOne(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
+                        int64_t padded_cols, float* plus_sums, float* minus_sums) {
+  for (int64_t r = rows.begin; r < rows.end; ++r) {
+    const int32_t begin = rows.row_offsets[r];
+    if (!RowDot(dictionary, rows.codes + begin, rows.row_offsets[r + 1] - begin, x, padded_cols,
+                &plus_sums[r - rows.begin], &minus_sums[r - rows.begin])) {
+      return r;
+    }
+  }
+  return rows.end;
+}
+
+}  // namespace qmoe::cpu

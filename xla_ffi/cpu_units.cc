@@ -1,0 +1,204 @@
+#include "cpu_units.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace ffi = xla::ffi;
+
+namespace qmoe::cpu {
+namespace {
+
+// Groups with fewer tokens than this run the one-token dot per token: a
+// block decodes a row into position lists and adds 16-lane token rows, which
+// costs about 3.5 one-token dots (AVX-512, 6144×2080) whatever its width.
+constexpr int64_t kBlockTokens = 4;
+// Smallest row range worth a task of its own.
+constexpr int64_t kMinRowsPerTask = 16;
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+uint16_t FloatToBf16(float value) {
+  uint32_t word;
+  std::memcpy(&word, &value, sizeof(word));
+  if ((word & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((word >> 16) | 0x40);
+  word += 0x7FFFu + ((word >> 16) & 1u);  // round to nearest even
+  return static_cast<uint16_t>(word >> 16);
+}
+
+}  // namespace
+
+float Bf16ToFloat(uint16_t bits) {
+  const uint32_t word = static_cast<uint32_t>(bits) << 16;
+  float value;
+  std::memcpy(&value, &word, sizeof(value));
+  return value;
+}
+
+float DenseRows::Get(int64_t row, int64_t j) const {
+  const int64_t i = row * width + j;
+  return bf16 ? Bf16ToFloat(static_cast<const uint16_t*>(data)[i])
+              : static_cast<const float*>(data)[i];
+}
+
+void DenseRows::Set(int64_t row, int64_t j, float value) const {
+  const int64_t i = row * width + j;
+  if (bf16) {
+    static_cast<uint16_t*>(data)[i] = FloatToBf16(value);
+  } else {
+    static_cast<float*>(data)[i] = value;
+  }
+}
+
+ffi::Error SelectKernels(const char* op, const RowKernels** kernels) {
+  const char* requested = std::getenv("QMOE_CPU_ISA");
+  const std::string_view isa = requested ? requested : "";
+  if (isa.empty() || isa == "auto") {
+    *kernels = CpuHasAvx512() ? &Avx512RowKernels()
+               : CpuHasAvx2() ? &Avx2RowKernels()
+                              : &PortableRowKernels();
+  } else if (isa == "avx512" && CpuHasAvx512()) {
+    *kernels = &Avx512RowKernels();
+  } else if (isa == "avx2" && CpuHasAvx2()) {
+    *kernels = &Avx2RowKernels();
+  } else if (isa == "portable") {
+    *kernels = &PortableRowKernels();
+  } else if (isa == "avx512" || isa == "avx2") {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": QMOE_CPU_ISA=" + std::string(isa) +
+                          " but this CPU lacks it; unset QMOE_CPU_ISA or pick another");
+  } else {
+    return ffi::Error::InvalidArgument(std::string(op) +
+                                       ": QMOE_CPU_ISA must be auto, avx512, avx2 or portable; "
+                                       "got '" + std::string(isa) + "'");
+  }
+  return ffi::Error::Success();
+}
+
+std::vector<Unit> Units(const std::vector<TokenGroup>& groups, bool always_blocks) {
+  std::vector<Unit> units;
+  for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
+    const int64_t tokens = static_cast<int64_t>(groups[g].in_rows.size());
+    for (int64_t first = 0; first < tokens; first += kTokenLanes) {
+      const int64_t count = std::min(kTokenLanes, tokens - first);
+      if (always_blocks || count >= kBlockTokens) {
+        units.push_back({g, first, count, true});
+      } else {
+        for (int64_t n = first; n < first + count; ++n) units.push_back({g, n, 1, false});
+      }
+    }
+  }
+  return units;
+}
+
+RowRange Split(int64_t total, int64_t splits, int64_t split) {
+  const int64_t size = CeilDiv(total, splits);
+  return {std::min(total, split * size), std::min(total, (split + 1) * size)};
+}
+
+int64_t RowSplits(int64_t rows, int64_t units, int64_t workers) {
+  return std::max<int64_t>(1, std::min(CeilDiv(4 * workers, std::max<int64_t>(units, 1)),
+                                       CeilDiv(rows, kMinRowsPerTask)));
+}
+
+int64_t TokenBufferSize(int64_t width, const Unit& unit) {
+  const int64_t length = PaddedCols(width) + kDensePad;
+  return unit.block ? length * kTokenLanes : length;
+}
+
+void LoadTokens(const Unit& unit, const std::vector<int64_t>& rows, const DenseRows& dense,
+                float* buffer) {
+  std::fill(buffer, buffer + TokenBufferSize(dense.width, unit), 0.0f);
+  for (int64_t t = 0; t < unit.count; ++t) {
+    const int64_t row = rows[unit.first + t];
+    if (unit.block) {
+      for (int64_t j = 0; j < dense.width; ++j) buffer[j * kTokenLanes + t] = dense.Get(row, j);
+    } else if (dense.bf16) {
+      for (int64_t j = 0; j < dense.width; ++j) buffer[j] = dense.Get(row, j);
+    } else {
+      std::memcpy(buffer, static_cast<const float*>(dense.data) + row * dense.width,
+                  dense.width * sizeof(float));
+    }
+  }
+}
+
+Scratch& ThreadScratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
+                const std::vector<TokenGroup>& groups, const Unit& unit, const float* tokens,
+                RowRange rows, const DenseRows& y, FirstFailure& failure) {
+  const TokenGroup& group = groups[unit.group];
+  const WeightMatrix& matrix = group.matrix;
+  Scratch& scratch = ThreadScratch();
+  const auto row_min = [&](int64_t r) { return Bf16ToFloat(matrix.minmax[2 * r]); };
+  const auto row_max = [&](int64_t r) { return Bf16ToFloat(matrix.minmax[2 * r + 1]); };
+  if (!unit.block) {
+    const int64_t count = rows.end - rows.begin;
+    float* plus = Reserve(scratch.sums, 2 * count);
+    float* minus = plus + count;
+    const int64_t end = kernels.rows_dot(w.dictionary, {matrix.codes, matrix.row_offsets,
+                                                        rows.begin, rows.end},
+                                         tokens, w.padded_cols, plus, minus);
+    if (end < rows.end) failure.Record(unit.group * w.rows + end);
+    for (int64_t r = rows.begin; r < end; ++r) {
+      const int64_t i = r - rows.begin;
+      y.Set(group.out_rows[unit.first], r, row_max(r) * plus[i] + row_min(r) * minus[i]);
+    }
+    return;
+  }
+  int32_t* plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
+  int32_t* minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+  for (int64_t r = rows.begin; r < rows.end; ++r) {
+    const int32_t begin = matrix.row_offsets[r];
+    int64_t plus_count, minus_count;
+    if (!kernels.row_nonzeros(w.dictionary, matrix.codes + begin,
+                              matrix.row_offsets[r + 1] - begin, w.padded_cols, plus_index,
+                              &plus_count, minus_index, &minus_count)) {
+      failure.Record(unit.group * w.rows + r);
+      return;
+    }
+    alignas(64) float plus[kTokenLanes];
+    alignas(64) float minus[kTokenLanes];
+    kernels.gather_token_rows(tokens, plus_index, plus_count, plus);
+    kernels.gather_token_rows(tokens, minus_index, minus_count, minus);
+    for (int64_t t = 0; t < unit.count; ++t) {
+      y.Set(group.out_rows[unit.first + t], r, row_max(r) * plus[t] + row_min(r) * minus[t]);
+    }
+  }
+}
+
+void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
+                    const std::vector<TokenGroup>& groups, const Unit& unit,
+                    const float* gradient, RowRange rows, float* sums, FirstFailure& failure) {
+  const WeightMatrix& matrix = groups[unit.group].matrix;
+  Scratch& scratch = ThreadScratch();
+  int32_t* plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
+  int32_t* minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+  for (int64_t r = rows.begin; r < rows.end; ++r) {
+    const int32_t begin = matrix.row_offsets[r];
+    int64_t plus_count, minus_count;
+    if (!kernels.row_nonzeros(w.dictionary, matrix.codes + begin,
+                              matrix.row_offsets[r + 1] - begin, w.padded_cols, plus_index,
+                              &plus_count, minus_index, &minus_count)) {
+      failure.Record(unit.group * w.rows + r);
+      return;
+    }
+    const float row_min = Bf16ToFloat(matrix.minmax[2 * r]);
+    const float row_max = Bf16ToFloat(matrix.minmax[2 * r + 1]);
+    alignas(64) float plus[kTokenLanes];
+    alignas(64) float minus[kTokenLanes];
+    for (int64_t t = 0; t < kTokenLanes; ++t) {
+      plus[t] = row_max * gradient[r * kTokenLanes + t];
+      minus[t] = row_min * gradient[r * kTokenLanes + t];
+    }
+    kernels.scatter_token_rows(sums, plus_index, plus_count, plus);
+    kernels.scatter_token_rows(sums, minus_index, minus_count, minus);
+  }
+}
+
+}  // namespace qmoe::cpu

@@ -1,0 +1,91 @@
+// Units of work of the CPU handlers: the tokens of one weight matrix, either
+// one token at a time (each row decoded straight into a dot product with a
+// padded f32 copy of x) or blocks of up to 16 tokens stored token-major, so
+// that each decoded nonzero weight adds one 16-lane row for all of them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "cpu_operands.h"
+#include "cpu_parallel.h"
+#include "cpu_row_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace qmoe::cpu {
+
+// An f32 or bf16 array viewed as rows of `width` values.
+struct DenseRows {
+  void* data;
+  bool bf16;
+  int64_t width;
+
+  float Get(int64_t row, int64_t j) const;
+  void Set(int64_t row, int64_t j, float value) const;
+};
+
+float Bf16ToFloat(uint16_t bits);
+
+// The row kernels for this call: the best the CPU runs, or QMOE_CPU_ISA's.
+xla::ffi::Error SelectKernels(const char* op, const RowKernels** kernels);
+
+// Tokens [first, first + count) of groups[group], computed together.
+struct Unit {
+  int64_t group;
+  int64_t first;
+  int64_t count;
+  bool block;
+};
+
+// Cuts each group's tokens into blocks of 16; a block of fewer than
+// kBlockTokens tokens goes one token at a time unless always_blocks.
+std::vector<Unit> Units(const std::vector<TokenGroup>& groups, bool always_blocks);
+
+struct RowRange {
+  int64_t begin;
+  int64_t end;
+};
+
+// Part `split` of `splits` near-equal parts of [0, total).
+RowRange Split(int64_t total, int64_t splits, int64_t split);
+
+// Row ranges per unit when there are too few units to keep `workers` busy.
+int64_t RowSplits(int64_t rows, int64_t units, int64_t workers);
+
+// Floats of a unit's token buffer (LoadTokens).
+int64_t TokenBufferSize(int64_t width, const Unit& unit);
+
+// A unit's dense rows (rows[first..], `dense.width` values each) as f32: one
+// zero-padded row, or token-major [width + kDensePad][16] for a block.
+void LoadTokens(const Unit& unit, const std::vector<int64_t>& rows, const DenseRows& dense,
+                float* buffer);
+
+// Per-thread buffers, reused across tasks and calls.
+struct Scratch {
+  std::vector<float> tokens;
+  std::vector<float> sums;
+  std::vector<int32_t> plus;
+  std::vector<int32_t> minus;
+};
+Scratch& ThreadScratch();
+
+template <typename T>
+T* Reserve(std::vector<T>& buffer, int64_t size) {
+  if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+  return buffer.data();
+}
+
+// y rows of a unit's tokens for W rows in `rows`; a row that fails to decode
+// is recorded as unit.group * w.rows + row.
+void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
+                const std::vector<TokenGroup>& groups, const Unit& unit, const float* tokens,
+                RowRange rows, const DenseRows& y, FirstFailure& failure);
+
+// Adds (W rows in `rows`)ᵀ · g for a block unit into `sums`, token-major
+// [padded_cols + kDensePad][16]; `gradient` is the unit's g, token-major
+// [rows][16]. Failures are recorded as in MatmulRows.
+void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
+                    const std::vector<TokenGroup>& groups, const Unit& unit,
+                    const float* gradient, RowRange rows, float* sums, FirstFailure& failure);
+
+}  // namespace qmoe::cpu
