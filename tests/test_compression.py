@@ -138,3 +138,15 @@ def test_four_devices_give_the_same_codes(tiny_setup, tmp_path):
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     run_compression(four, env=env)
     assert_same_arrays(all_arrays(one["output_dir"]), all_arrays(four["output_dir"]))
+
+
+def test_fused_kernels_run_the_compressed_model(tiny_setup, tmp_path):
+    compress_checkpoint(options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False, config=TINY)
+    dense = load_compressed_model(str(tmp_path / "out"))
+    fused = load_compressed_model(str(tmp_path / "out"), experts="compressed")
+    assert type(fused.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]).__name__ == "CompressedExperts"
+    tokens = np.arange(3, 35, dtype=np.int32).reshape(2, 16)
+    args = (tokens, tokens[:, ::-1].copy(), tokens)
+    expected = dense.module().apply({"params": dense.params}, *args)
+    got = fused.module().apply({"params": fused.params}, *args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)

@@ -16,7 +16,7 @@ import numpy as np
 
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointError
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes
-from qmoe_jax.models import SwitchConfig
+from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.quant import GridConfig, dequantize_codes
 
 
@@ -35,6 +35,15 @@ class CompressedModel:
     params: dict
     dictionaries: dict[str, Dictionary]
     grid: GridConfig
+    experts: str = "dense"
+
+    def module(self) -> SwitchTransformer:
+        """The model to ``apply`` with ``{"params": self.params}``."""
+        if self.experts == "dense":
+            return SwitchTransformer(self.config)
+        from qmoe_jax.models.compressed_experts import compressed_experts_cls
+
+        return SwitchTransformer(self.config, experts_cls=compressed_experts_cls(self.dictionaries))
 
 
 def _stack(arrays: dict, cols: int) -> CompressedExperts:
@@ -89,7 +98,7 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
                 expert[kernel] = {"kernel": jnp.asarray(dequantized_kernel(stored, grid, cols, dictionary), dtype)}
             else:
                 expert[kernel] = _stack(stored, cols)
-    return CompressedModel(config, params, dictionaries, grid)
+    return CompressedModel(config, params, dictionaries, grid, experts)
 
 
 def _cast(tree, dtype):

@@ -1,0 +1,75 @@
+"""Expert layers on the fused decode-and-multiply kernels (QMoE inference).
+
+The drop-in ``experts_cls`` for ``MoeLayer`` when a checkpoint's experts are
+ternary ``CompressedExperts`` stacks: ``expert/wi`` (or ``wi_0``/``wi_1``) and
+``expert/wo`` hold W[E, out, in] in format v1, and each product
+``[E, C, in] → [E, C, out]`` is one ``ops.matmul`` call per layer, decoding every
+codeword once for all tokens of its expert. The weights are frozen: gradients
+flow to the inputs only (``ops``' custom VJP), which is what fine-tuning the
+dense layers of a compressed model needs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+
+import flax.linen as nn
+import jax
+
+from qmoe_jax import ops
+from qmoe_jax.codec import CompressedExperts, Dictionary
+from qmoe_jax.models.configs import SwitchConfig
+from qmoe_jax.models.layers import activation, dropout
+
+
+class CompressedMlpExperts(nn.Module):
+    """E compressed T5 MLPs: ``[E, T, d] → [E, T, d]`` through the fused kernels.
+
+    Attributes:
+      config: the model config.
+      dictionaries: dictionary of each sparse layer, keyed by the layer's dotted
+        path without ``expert`` (e.g. ``"encoder.layers_1.mlp"``), as
+        ``CompressedModel.dictionaries`` gives them.
+    """
+
+    config: SwitchConfig
+    dictionaries: Mapping[str, Dictionary]
+
+    def _dictionary(self) -> Dictionary:
+        layer = ".".join(self.path[:-1])
+        if layer not in self.dictionaries:
+            raise KeyError(f"no dictionary for sparse layer {layer!r}; known: {sorted(self.dictionaries)}")
+        return self.dictionaries[layer]
+
+    def _kernel(self, name: str) -> CompressedExperts:
+        # Read, not self.param: flax would call an initializer to check shapes,
+        # and compressed experts come only from a compressed checkpoint.
+        kernel = self.get_variable("params", name)
+        if kernel is None:
+            raise ValueError(
+                f"{'/'.join(self.path)}/{name} is missing: compressed experts are loaded, not initialized; "
+                "use qmoe_jax.checkpoints.compressed_model.load_compressed_model(..., experts='compressed')"
+            )
+        if not isinstance(kernel, CompressedExperts):
+            raise TypeError(f"{'/'.join(self.path)}/{name} is a {type(kernel).__name__}, expected CompressedExperts")
+        return kernel
+
+    @nn.compact
+    def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
+        cfg = self.config
+        dictionary = self._dictionary()
+        acts = cfg.mlp_activations
+        x = expert_inputs.astype(cfg.jnp_dtype)
+        hidden = None
+        for index, name in enumerate(acts):
+            kernel = self._kernel("wi" if len(acts) == 1 else f"wi_{index}")
+            h = activation(name)(ops.matmul(kernel, x, dictionary))
+            hidden = h if hidden is None else hidden * h
+        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        return ops.matmul(self._kernel("wo"), hidden, dictionary)
+
+
+def compressed_experts_cls(dictionaries: Mapping[str, Dictionary]):
+    """The ``experts_cls`` for ``SwitchTransformer`` over compressed expert stacks."""
+    return functools.partial(CompressedMlpExperts, dictionaries=dict(dictionaries))
