@@ -117,10 +117,18 @@ def make_inputs(seed: int, padded: bool):
     return encoder_tokens, decoder_inputs, targets
 
 
+@pytest.fixture(autouse=True)
+def flush_denormals():
+    """Fast torch CPU math (DESIGN.md §10), restored after the test: the flag is
+    process-wide and would otherwise change later tests' floating point."""
+    torch.set_flush_denormal(True)
+    yield
+    torch.set_flush_denormal(False)
+
+
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 @pytest.mark.parametrize("padded", [False, True], ids=["full", "padded"])
 def test_logits_match_hugging_face(tied, padded):
-    torch.set_flush_denormal(True)
     hf_model = build_hf(tied, seed=1 + tied)
     config = our_config(tied)
     params = hf_to_t5x(hf_model, config)
@@ -151,7 +159,6 @@ def test_logits_match_hugging_face(tied, padded):
 
 def test_capacity_drops_differ_from_hf_by_design():
     """With a small capacity both models drop tokens, but by different rules (DESIGN.md §5)."""
-    torch.set_flush_denormal(True)
     hf_model = build_hf(tied=True, seed=3)
     config = dataclasses.replace(our_config(True), eval_capacity_factor=0.25, min_expert_capacity=1)
     params = hf_to_t5x(hf_model, config)
