@@ -49,6 +49,13 @@ def test_round_trip(tmp_path):
     assert checkpoint.dictionary(stats["dictionary"]).fingerprint == build_dictionary().fingerprint
 
 
+def test_relative_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    writer = CompressedCheckpointWriter("out", HEADER)
+    writer.write_layer("encoder.layers_1.mlp", layer_arrays(2), {"dictionary": None})
+    assert_tree_equal(CompressedCheckpoint("out").layer("encoder.layers_1.mlp")[0], layer_arrays(2))
+
+
 def test_corrupt_byte_names_the_array(tmp_path):
     writer = CompressedCheckpointWriter(str(tmp_path), HEADER)
     writer.write_layer("decoder.layers_3.mlp", layer_arrays(1), {"dictionary": None})

@@ -102,6 +102,7 @@ class CompressedCheckpointWriter:
     """
 
     def __init__(self, directory: str, header: dict):
+        directory = os.path.abspath(directory)  # Orbax writes absolute paths only
         self.directory = directory
         os.makedirs(os.path.join(directory, "layers"), exist_ok=True)
         os.makedirs(os.path.join(directory, "dictionaries"), exist_ok=True)
@@ -177,6 +178,7 @@ class CompressedCheckpoint:
     """A finished (or partial) compressed checkpoint opened for reading."""
 
     def __init__(self, directory: str):
+        directory = os.path.abspath(directory)
         path = os.path.join(directory, MANIFEST)
         if not os.path.isfile(path):
             raise CompressedCheckpointError(
