@@ -250,7 +250,7 @@ def _named_configs() -> dict[str, SwitchConfig]:
             dropout_rate=0.1,
             train_capacity_factor=1.25, eval_capacity_factor=2.0, min_expert_capacity=4,
             group_size=4096, init_scale=0.1,
-            checkpoint_path="checkpoints/switch-mini-8/checkpoint_<step>",
+            checkpoint_path="checkpoints/switch-mini-8/checkpoint_6000", checkpoint_step=6000,
         ),
     ]
     return {c.name: c for c in configs}
