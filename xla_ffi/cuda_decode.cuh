@@ -12,9 +12,13 @@
 // than 3), not all 28 positions.
 //
 // Against the paper's kernel (one warp per row, one codeword at a time with
-// 28 lanes each testing one weight): lanes decode different codewords in
-// parallel, the work per codeword follows its nonzeros, and rows narrower
-// than a warp share one.
+// 28 lanes each testing one weight, a dequantization table in shared
+// memory): lanes decode different codewords in parallel, the work per
+// codeword follows its nonzeros, rows narrower than a warp share one, and the
+// table becomes a select between the row's min and max held in registers.
+// The matmul kernel applies each decoded codeword to a tile of up to 8 tokens
+// staged in shared memory, so N tokens cost ceil(N / 8) decodes; holding all
+// N would take N * cols of shared memory.
 //
 // Dictionary residency: the masks table is 512 KiB, more than shared memory.
 // Codeword use is flat (on 2080×6144 at P(0) = 0.885: 59201 distinct
