@@ -70,7 +70,7 @@ export PYTHONUNBUFFERED=1
   || { echo "gpu_check: the built extension has no CUDA handlers"; exit 1; }
 
 phase "tests on the GPU: tests/test_ops_cuda.py"
-XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged tests_cuda 180 \
+XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged tests_cuda 210 \
   "$python" -m pytest -q -p no:cacheprovider -rs tests/test_ops_cuda.py
 
 phase "CPU op tests (JAX_PLATFORMS=cpu): tests/test_ops.py tests/test_ops_fuzz.py"
