@@ -65,12 +65,16 @@ def matrices(rng, dictionary, rows: int, cols: int, count: int):
         compressed = jax.device_put(encode(codes, minmax, dictionary))
         values = jnp.asarray(minmax)
         ternary_codes = jnp.asarray(codes)
-        dense = jnp.where(ternary_codes == 2, values[:, 1:], jnp.where(ternary_codes == 1, values[:, :1], 0))
+        dense = jnp.where(
+            ternary_codes == 2, values[:, 1:], jnp.where(ternary_codes == 1, values[:, :1], 0)
+        )
         pairs.append((compressed, dense.astype(jnp.bfloat16)))
     return pairs
 
 
-def time_per_call(fn, inputs: list[tuple], calls: int, warmup: int, repeats: int, programs: int) -> float:
+def time_per_call(
+    fn, inputs: list[tuple], calls: int, warmup: int, repeats: int, programs: int
+) -> float:
     """Median seconds per call of fn(*inputs[i % len(inputs)]).
 
     One jitted program makes `calls` calls; a measurement dispatches `programs`
@@ -135,7 +139,8 @@ def run_shape(rng, dictionary, rows, cols, tokens_list, args) -> tuple[dict, lis
             return jnp.stack([ops.matvec(w, x[n], dictionary) for n in range(tokens)])
 
         token_inputs = [
-            (w, dense, jnp.asarray(rng.standard_normal((tokens, cols)), jnp.bfloat16)) for w, dense in pairs
+            (w, dense, jnp.asarray(rng.standard_normal((tokens, cols)), jnp.bfloat16))
+            for w, dense in pairs
         ]
         ours = time_per_call(ours_matmul, token_inputs, args.calls, **timing)
         dense = time_per_call(dense_matmul, token_inputs, args.calls, **timing)
@@ -152,7 +157,9 @@ def run_shape(rng, dictionary, rows, cols, tokens_list, args) -> tuple[dict, lis
                 separate_matvecs_us=separate * 1e6,
                 ratio_vs_dense=ours / dense,
                 ratio_vs_separate=ours / separate,
-                relative_error=relative_error(ours_matmul(*token_inputs[0]), dense_matmul(*token_inputs[0])),
+                relative_error=relative_error(
+                    ours_matmul(*token_inputs[0]), dense_matmul(*token_inputs[0])
+                ),
             )
         )
         print_matmul(matmuls[-1])
@@ -161,16 +168,18 @@ def run_shape(rng, dictionary, rows, cols, tokens_list, args) -> tuple[dict, lis
 
 def print_matvec(r: dict) -> None:
     print(
-        f"matvec {r['rows']:>5}×{r['cols']:<5} | ours {r['ours_us']:8.2f} µs | dense bf16 "
-        f"{r['dense_bf16_us']:8.2f} µs | ours/dense {r['ratio']:5.2f} | rel.err {r['relative_error']:.1e}",
+        f"matvec {r['rows']:>5}×{r['cols']:<5} | ours {r['ours_us']:8.2f} µs | "
+        f"dense bf16 {r['dense_bf16_us']:8.2f} µs | ours/dense {r['ratio']:5.2f} | "
+        f"rel.err {r['relative_error']:.1e}",
         flush=True,
     )
 
 
 def print_matmul(r: dict) -> None:
     print(
-        f"matmul {r['rows']:>5}×{r['cols']:<5} N={r['tokens']:<3}| ours {r['ours_us']:8.2f} µs | dense bf16 "
-        f"{r['dense_bf16_us']:8.2f} µs | {r['tokens']:>2} matvecs {r['separate_matvecs_us']:9.2f} µs | "
+        f"matmul {r['rows']:>5}×{r['cols']:<5} N={r['tokens']:<3}| ours {r['ours_us']:8.2f} µs | "
+        f"dense bf16 {r['dense_bf16_us']:8.2f} µs | "
+        f"{r['tokens']:>2} matvecs {r['separate_matvecs_us']:9.2f} µs | "
         f"ours/dense {r['ratio_vs_dense']:5.2f} | ours/matvecs {r['ratio_vs_separate']:5.2f} | "
         f"rel.err {r['relative_error']:.1e}",
         flush=True,
@@ -191,37 +200,53 @@ def goals(matvec: list[dict], matmul: list[dict]) -> dict:
 
 
 def default_output() -> str:
-    folder = os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    folder = os.environ.get("OUT") or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "results"
+    )
     return os.path.join(folder, "kernels_gpu.json")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--matmul-shapes", choices=("all", "c2048"), default="all")
     parser.add_argument("--calls", type=int, default=32, help="calls per timed program")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--programs", type=int, default=8, help="programs dispatched back to back per timing")
-    parser.add_argument("--working-set-mib", type=float, default=256, help="dense bytes cycled through per program")
+    parser.add_argument(
+        "--programs", type=int, default=8, help="programs dispatched back to back per timing"
+    )
+    parser.add_argument(
+        "--working-set-mib", type=float, default=256, help="dense bytes cycled through per program"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=default_output())
     args = parser.parse_args(argv)
 
     if jax.default_backend() != "gpu" or not ops.has_cuda_kernels():
         sys.exit(
-            f"kernels_gpu.py needs a GPU backend (have {jax.default_backend()!r}) and the extension built "
-            f"with QMOE_CUDA=ON (have: {ops.has_cuda_kernels()}); run benchmarks/gpu_check.sh"
+            f"kernels_gpu.py needs a GPU backend (have {jax.default_backend()!r}) and the "
+            f"extension built with QMOE_CUDA=ON (have: {ops.has_cuda_kernels()}); "
+            "run benchmarks/gpu_check.sh"
         )
     device = jax.devices()[0]
-    print(f"== CUDA kernels vs XLA dense bf16 on {device.device_kind}, jax {jax.__version__} ==", flush=True)
+    print(
+        f"== CUDA kernels vs XLA dense bf16 on {device.device_kind}, jax {jax.__version__} ==",
+        flush=True,
+    )
     dictionary = build_dictionary(DEFAULT_P0)
     rng = np.random.default_rng(args.seed)
-    command = " ".join(["python", "benchmarks/kernels_gpu.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(
+        ["python", "benchmarks/kernels_gpu.py", *(sys.argv[1:] if argv is None else argv)]
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     matvec, matmul = [], []
     for rows, cols in C2048_SHAPES + tuple(s for s in SHAPES if s not in C2048_SHAPES):
         with_matmul = args.matmul_shapes == "all" or (rows, cols) in C2048_SHAPES
-        shape_matvec, shape_matmul = run_shape(rng, dictionary, rows, cols, TOKENS if with_matmul else (), args)
+        shape_matvec, shape_matmul = run_shape(
+            rng, dictionary, rows, cols, TOKENS if with_matmul else (), args
+        )
         matvec.append(shape_matvec)
         matmul.extend(shape_matmul)
         with open(args.output, "w") as f:
@@ -231,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
                     device=device.device_kind,
                     jax=jax.__version__,
                     p0=DEFAULT_P0,
-                    timing="median over repeats of wall time / (programs x calls), programs dispatched "
-                    "back to back, each cycling over distinct matrices (dense working set --working-set-mib)",
+                    timing="median over repeats of wall time / (programs x calls), programs "
+                    "dispatched back to back, each cycling over distinct matrices (dense working "
+                    "set --working-set-mib)",
                     settings=vars(args),
                     complete=len(matvec) == len(SHAPES),
                     matvec=matvec,
@@ -242,7 +268,9 @@ def main(argv: list[str] | None = None) -> None:
                 f,
                 indent=1,
             )
-    print("== goals (issue #5): matvec ≤ 0.7× dense on c2048 shapes, 16-token matmul ≤ 1.0× dense ==")
+    print(
+        "== goals (issue #5): matvec ≤ 0.7× dense on c2048 shapes, 16-token matmul ≤ 1.0× dense =="
+    )
     for name, value in goals(matvec, matmul).items():
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
     print(f"wrote {args.output}")

@@ -32,7 +32,10 @@ def _skip_reason() -> str | None:
     if jax.default_backend() != "gpu":
         return f"needs a GPU backend; jax.default_backend() is {jax.default_backend()!r}"
     if not ops.has_cuda_kernels():
-        return "the extension was built without CUDA; build it with -DQMOE_CUDA=ON (benchmarks/gpu_check.sh)"
+        return (
+            "the extension was built without CUDA; build it with -DQMOE_CUDA=ON "
+            "(benchmarks/gpu_check.sh)"
+        )
     return None
 
 
@@ -59,7 +62,9 @@ def _matrix(rows, cols, seed=0):
 
 @functools.lru_cache(maxsize=None)
 def _experts(count, rows, cols, seed=0):
-    return compressed_data.experts(np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols)
+    return compressed_data.experts(
+        np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols
+    )
 
 
 def _tokens(shape, dtype, seed=1):
@@ -130,7 +135,9 @@ def test_random_matrices_match_the_dense_product(rows, cols, tokens, p0, seed):
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     _assert_close(ops.matmul(w, x, dictionary), x @ dense.T, jnp.float32)
     g = rng.standard_normal((tokens, rows)).astype(np.float32)
-    dx = _kernels.matmul_transposed_call(_kernels.Static(dictionary, cols), w.codes, w.row_offsets, w.minmax, g)
+    dx = _kernels.matmul_transposed_call(
+        _kernels.Static(dictionary, cols), w.codes, w.row_offsets, w.minmax, g
+    )
     _assert_close(dx, g @ dense, jnp.float32)
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
 
@@ -182,7 +189,9 @@ def test_vmap_over_tokens_and_matrices(dictionary):
     y = jax.vmap(one)(stack.codes, stack.row_offsets, stack.minmax, x[:, :2])
     _assert_close(y, np.einsum("ecj,erj->ecr", np.asarray(x[:, :2]), stack_dense), jnp.float32)
     # x broadcast over the matrices.
-    shared_x = jax.vmap(one, in_axes=(0, 0, 0, None))(stack.codes, stack.row_offsets, stack.minmax, x[0])
+    shared_x = jax.vmap(one, in_axes=(0, 0, 0, None))(
+        stack.codes, stack.row_offsets, stack.minmax, x[0]
+    )
     _assert_close(shared_x, np.einsum("cj,erj->ecr", np.asarray(x[0]), stack_dense), jnp.float32)
     # Two leading dims, the stack broadcast along the outer one.
     outer = _tokens((2, 3, 5, 21), jnp.bfloat16)
@@ -305,7 +314,9 @@ def test_bad_environment_and_shapes_raise(dictionary, monkeypatch):
     with pytest.raises(Exception, match=r"masks must have shape \[65536, 2\]"):
         np.asarray(call(masks[:100], slots, w.codes, w.row_offsets, w.minmax, jnp.zeros((2, 21))))
     narrow_y = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((2, 12), jnp.float32))
-    with pytest.raises(Exception, match=r"y must have 13 columns \(rows of minmax\); got \[2, 12\]"):
+    with pytest.raises(
+        Exception, match=r"y must have 13 columns \(rows of minmax\); got \[2, 12\]"
+    ):
         np.asarray(narrow_y(masks, slots, w.codes, w.row_offsets, w.minmax, jnp.zeros((2, 21))))
 
 
@@ -325,9 +336,9 @@ FUZZ = textwrap.dedent(
     messages = set()
     good, dense = compressed_data.matrix(rng, dictionary, rows, cols)
 
-    def call(target, result, forms, codes, offsets, minmax, *dense_operands, **attributes):
+    def call(target, result, forms, codes, offsets, minmax, *operands, **attributes):
         fn = jax.ffi.ffi_call(target, result, vmap_method="expand_dims")
-        return np.asarray(fn(*forms, codes, offsets, minmax, *dense_operands, **attributes), np.float32)
+        return np.asarray(fn(*forms, codes, offsets, minmax, *operands, **attributes), np.float32)
 
     def run_all(forms, codes, offsets, minmax):
         batch = codes.shape[:-1]
@@ -339,9 +350,9 @@ FUZZ = textwrap.dedent(
             ("qmoe_dequantize", jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16), (),
              dict(cols=np.int64(cols))),
         ]
-        for target, result, dense_operands, attributes in cases:
+        for target, result, operands, attributes in cases:
             try:
-                value = call(target, result, forms, codes, offsets, minmax, *dense_operands, **attributes)
+                value = call(target, result, forms, codes, offsets, minmax, *operands, **attributes)
                 outcomes["nan" if np.isnan(value).any() else "ok"] += 1
             except Exception as error:
                 outcomes["error"] += 1
@@ -371,7 +382,8 @@ FUZZ = textwrap.dedent(
             elif kind == 4:
                 forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32), slots)
             run_all(forms, codes, offsets, minmax)
-            run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
+            stacked = (a[None].repeat(2, 0) for a in (codes, offsets, minmax))
+            run_all(forms, *stacked)
     # The context survived: a good call still gives the right answer.
     os.environ["QMOE_CUDA_VALIDATE"] = "0"
     x = rng.standard_normal((4, cols)).astype(np.float32)
@@ -388,7 +400,9 @@ def _run_script(script: str, **env) -> subprocess.CompletedProcess:
     # Each process takes GPU memory as it needs it, not 75% of it up front.
     full_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env)
     full_env["PYTHONPATH"] = os.pathsep.join([tests, full_env.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=600
+    )
 
 
 @needs_gpu
@@ -397,7 +411,9 @@ def test_garbage_operands_never_crash():
     assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     outcomes = result["outcomes"]
-    assert outcomes.get("ok", 0) > 0 and outcomes.get("nan", 0) > 0 and outcomes.get("error", 0) > 0, result
+    assert (
+        outcomes.get("ok", 0) > 0 and outcomes.get("nan", 0) > 0 and outcomes.get("error", 0) > 0
+    ), result
     for message in result["messages"]:
         assert "qmoe_" in message, message
 
@@ -432,7 +448,10 @@ COMMAND_BUFFERS = textwrap.dedent(
 def test_command_buffer_capture():
     flags = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     run = _run_script(COMMAND_BUFFERS, XLA_FLAGS=flags)
-    rejected = any(flag in run.stderr for flag in ("xla_gpu_enable_command_buffer", "xla_gpu_graph_min_graph_size"))
+    rejected = any(
+        flag in run.stderr
+        for flag in ("xla_gpu_enable_command_buffer", "xla_gpu_graph_min_graph_size")
+    )
     if run.returncode != 0 and rejected:
         pytest.skip(f"this XLA does not take {flags!r}: {run.stderr[-300:]}")
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
