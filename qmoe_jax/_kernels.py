@@ -1,4 +1,5 @@
-"""Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h).
+"""Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h;
+CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON).
 
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
@@ -44,6 +45,15 @@ def _register_targets() -> None:
 
 
 _register_targets()
+
+
+def has_cuda_kernels() -> bool:
+    """Whether the extension holds the CUDA handlers (built with QMOE_CUDA=ON).
+
+    With them, the ops run on the GPU whenever jax places them there; the
+    targets are registered for platform "CUDA" under the same names.
+    """
+    return bool(_qmoe_ext.with_cuda)
 
 
 def cpu_isas() -> list[str]:

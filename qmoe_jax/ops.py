@@ -39,6 +39,7 @@ Compressed = CompressedMatrix | CompressedExperts
 _Core = Callable[..., jax.Array]
 
 cpu_isas = _kernels.cpu_isas
+has_cuda_kernels = _kernels.has_cuda_kernels
 
 
 _FORMAT_DTYPES = (jnp.dtype(jnp.uint16), jnp.dtype(jnp.int32), jnp.dtype(jnp.bfloat16))

@@ -289,19 +289,6 @@ namespace qmoe::cpu {
 
 void RegisterCpuKernels(pybind11::module_& module) {
   namespace py = pybind11;
-  const auto capsule = [](auto* handler) { return py::capsule(reinterpret_cast<void*>(handler)); };
-  module.def(
-      "registrations",
-      [capsule] {
-        py::dict cpu;
-        cpu["qmoe_matmul"] = capsule(QmoeMatmulCpu);
-        cpu["qmoe_matmul_t"] = capsule(QmoeMatmulTransposedCpu);
-        cpu["qmoe_dequantize"] = capsule(QmoeDequantizeCpu);
-        py::dict platforms;
-        platforms["cpu"] = cpu;
-        return platforms;
-      },
-      "XLA FFI handler capsules by platform, then target name.");
   module.def(
       "cpu_isas",
       [] {

@@ -46,9 +46,8 @@
 
 namespace qmoe::cpu {
 
-// Adds to the extension module: registrations() -> {platform: {target:
-// handler capsule}} and cpu_isas() -> instruction sets this CPU runs,
-// fastest first.
+// Adds to the extension module: cpu_isas() -> instruction sets this CPU
+// runs, fastest first. (module.cc registers the handlers below.)
 void RegisterCpuKernels(pybind11::module_& module);
 
 }  // namespace qmoe::cpu

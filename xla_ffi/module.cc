@@ -4,8 +4,37 @@
 
 #include "cpu_kernels.h"
 #include "encoder.h"
+#ifdef QMOE_WITH_CUDA
+#include "cuda_kernels.h"
+#endif
 
 namespace py = pybind11;
+
+namespace {
+
+py::capsule Capsule(XLA_FFI_Handler* handler) {
+  return py::capsule(reinterpret_cast<void*>(handler));
+}
+
+// {platform: {target: handler capsule}}: "cpu" always, "CUDA" when built with CUDA.
+py::dict Registrations() {
+  py::dict platforms;
+  py::dict cpu;
+  cpu["qmoe_matmul"] = Capsule(QmoeMatmulCpu);
+  cpu["qmoe_matmul_t"] = Capsule(QmoeMatmulTransposedCpu);
+  cpu["qmoe_dequantize"] = Capsule(QmoeDequantizeCpu);
+  platforms["cpu"] = cpu;
+#ifdef QMOE_WITH_CUDA
+  py::dict cuda;
+  cuda["qmoe_matmul"] = Capsule(QmoeMatmulCuda);
+  cuda["qmoe_matmul_t"] = Capsule(QmoeMatmulTransposedCuda);
+  cuda["qmoe_dequantize"] = Capsule(QmoeDequantizeCuda);
+  platforms["CUDA"] = cuda;
+#endif
+  return platforms;
+}
+
+}  // namespace
 
 PYBIND11_MODULE(_qmoe_ext, m) {
   m.doc() = "qmoe_jax native extension: dictionary encoder and XLA FFI handlers";
@@ -16,4 +45,5 @@ PYBIND11_MODULE(_qmoe_ext, m) {
 #endif
   qmoe::RegisterEncoder(m);
   qmoe::cpu::RegisterCpuKernels(m);
+  m.def("registrations", &Registrations, "XLA FFI handler capsules by platform, then target name.");
 }
