@@ -51,6 +51,8 @@ def parse_options(argv=None) -> CompressionOptions:
     parser.add_argument("--batch_size", type=int, default=defaults.batch_size, help="samples per dense batch")
     parser.add_argument("--true_sequential", action="store_true", help="wo's Hessian from quantized wi activations")
     parser.add_argument("--act_order", action="store_true", help="GPTQ column order by descending Hessian diagonal")
+    parser.add_argument("--damping", type=float, default=defaults.damping,
+                        help="GPTQ damping, as a fraction of mean diag(H) (QMoE: 0.1; GPTQ: 0.01)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="span-corruption seed of the calibration data")
     parser.add_argument("--output_dir", help="output directory (default: runs/compressed/<config>)")
     parser.add_argument("--hessian_memory_mb", type=int,

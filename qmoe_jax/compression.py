@@ -62,6 +62,7 @@ class CompressionOptions:
     batch_size: int = 32
     true_sequential: bool = False
     act_order: bool = False
+    damping: float = 0.1
     seed: int = 1
     output_dir: str | None = None
     hessian_memory_mb: int | None = None
@@ -155,7 +156,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
     hessian_memory_mb = options.hessian_memory_mb or default_hessian_memory_mb()
     settings = CalibrationConfig(
         experts=ExpertCompressionConfig(grid=grid, method=options.method, group_size=options.group_size,
-                                        gptq=GPTQConfig(act_order=options.act_order),
+                                        gptq=GPTQConfig(act_order=options.act_order, damping=options.damping),
                                         true_sequential=options.true_sequential,
                                         hessian_memory=hessian_memory_mb << 20),
         dictionary=options.dictionary, batch_size=options.batch_size,
@@ -166,7 +167,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
         "settings": {
             "grid": dataclasses.asdict(grid), "method": options.method, "group_size": options.group_size,
             "dictionary": options.dictionary, "true_sequential": options.true_sequential,
-            "act_order": options.act_order, "calibration": options.calibration,
+            "act_order": options.act_order, "damping": options.damping, "calibration": options.calibration,
             "num_samples": options.num_samples, "inputs_length": options.inputs_length,
             "batch_size": options.batch_size, "seed": options.seed, "hessian_memory_mb": hessian_memory_mb,
             "tokenizer": os.path.basename(tokenizer.model_path),
