@@ -1,21 +1,18 @@
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import numpy as np
 import pytest
+from child_process import popen_python
+from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
 
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
 from qmoe_jax.checkpoints.compressed_model import load_compressed_model
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
 from qmoe_jax.evaluate import mean_cross_entropy
 from qmoe_jax.models import SwitchTransformer
-from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
-
-TESTS = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +82,6 @@ def test_rtn_and_kbit(tiny_setup, tmp_path):
 
 
 RUNNER = """
-import sys
-sys.path.insert(0, {tests!r})
 from switch_fixtures import TINY
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
 options = CompressionOptions(**{options!r})
@@ -94,9 +89,9 @@ compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=
 """
 
 
-def run_compression(options_dict, env=None, kill_after_layers=None):
-    code = RUNNER.format(tests=TESTS, options=options_dict)
-    process = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+def run_compression(options_dict, kill_after_layers=None, **env):
+    code = RUNNER.format(options=options_dict)
+    process = popen_python(["-c", code], **env)
     if kill_after_layers is None:
         output = process.communicate(timeout=600)[0].decode()
         assert process.returncode == 0, output
@@ -135,8 +130,7 @@ def test_four_devices_give_the_same_codes(tiny_setup, tmp_path):
     one = vars(options(tiny_setup, tmp_path / "one", group_size=4))
     four = dict(one, output_dir=str(tmp_path / "four"))
     run_compression(one)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    run_compression(four, env=env)
+    run_compression(four, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert_same_arrays(all_arrays(one["output_dir"]), all_arrays(four["output_dir"]))
 
 

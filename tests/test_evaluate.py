@@ -1,17 +1,16 @@
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
+from child_process import run_python
+from switch_fixtures import TINY, random_params
 
 from qmoe_jax import bundled
 from qmoe_jax.evaluate import expected_param_shapes, mean_cross_entropy, padded_batches
 from qmoe_jax.models import SwitchTransformer
 from qmoe_jax.training import token_cross_entropy
-from switch_fixtures import TINY, random_params
 
 
 def examples(count, seed=0):
@@ -59,7 +58,8 @@ def test_bundled_validation_loss_is_reproduced():
     """The recorded validation loss of the bundled model, recomputed by the CLI (fetches the corpus)."""
     with open(os.path.join(bundled.model_dir(), "training.json")) as f:
         recorded = json.load(f)
-    result = subprocess.run([sys.executable, "-m", "qmoe_jax.evaluate"], capture_output=True, text=True, check=True)
+    result = run_python(["-m", "qmoe_jax.evaluate"], timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
     measured = json.loads(result.stdout.strip().splitlines()[-1])
     assert measured["examples"] == recorded["validation_examples"]
     assert abs(measured["validation_loss"] - recorded["validation_loss"]) <= 1e-3

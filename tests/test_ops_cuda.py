@@ -7,20 +7,19 @@ otherwise (benchmarks/gpu_check.sh builds and runs them on a GPU machine).
 
 import functools
 import json
-import os
 import subprocess
-import sys
 import textwrap
 
+import compressed_data
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from child_process import run_python
 from hypothesis import given, settings
 
-import compressed_data
 from qmoe_jax import _kernels, ops
 from qmoe_jax.codec import CompressedMatrix, build_dictionary
 
@@ -55,12 +54,12 @@ def dictionary():
     return build_dictionary(0.885)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _matrix(rows, cols, seed=0):
     return compressed_data.matrix(np.random.default_rng(seed), build_dictionary(0.885), rows, cols)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _experts(count, rows, cols, seed=0):
     return compressed_data.experts(
         np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols
@@ -396,13 +395,8 @@ FUZZ = textwrap.dedent(
 
 
 def _run_script(script: str, **env) -> subprocess.CompletedProcess:
-    tests = os.path.dirname(__file__)
     # Each process takes GPU memory as it needs it, not 75% of it up front.
-    full_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env)
-    full_env["PYTHONPATH"] = os.pathsep.join([tests, full_env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-c", script], env=full_env, capture_output=True, text=True, timeout=600
-    )
+    return run_python(["-c", script], timeout=600, XLA_PYTHON_CLIENT_PREALLOCATE="false", **env)
 
 
 @needs_gpu

@@ -2,15 +2,13 @@
 the dense product; garbage operands give an error, never a crash."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import compressed_data
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
+from child_process import run_python
 from hypothesis import given, settings
 
 from qmoe_jax import ops
@@ -112,12 +110,7 @@ FUZZ = textwrap.dedent(
 
 
 def test_garbage_operands_error_and_never_crash():
-    env = dict(os.environ, ISAS=json.dumps(ops.cpu_isas()))
-    tests = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", FUZZ], env=env, capture_output=True, text=True, timeout=900
-    )
+    run = run_python(["-c", FUZZ], timeout=900, ISAS=json.dumps(ops.cpu_isas()))
     assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["outcomes"].get("error", 0) > 0 and result["outcomes"].get("ok", 0) > 0, result

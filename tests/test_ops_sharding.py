@@ -2,10 +2,9 @@
 is fixed when jax starts)."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
+
+from child_process import run_python
 
 SCRIPT = textwrap.dedent(
     """
@@ -40,12 +39,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_expert_parallel_on_four_devices():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    tests = os.path.dirname(__file__)
-    env["PYTHONPATH"] = os.pathsep.join([tests, env.get("PYTHONPATH", "")])
-    run = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600
-    )
+    run = run_python(["-c", SCRIPT], timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
