@@ -133,8 +133,8 @@ def bench_shape(
     )
 
 
-def ratio(result: dict, numerator: str, denominator: str) -> float:
-    return result[numerator]["median_ms"] / result[denominator]["median_ms"]
+def ratio(result: dict, numerator: str, denominator: str, statistic: str = "median_ms") -> float:
+    return result[numerator][statistic] / result[denominator][statistic]
 
 
 def print_tables(results: list[dict]) -> None:
@@ -173,6 +173,8 @@ def print_tables(results: list[dict]) -> None:
 
 
 def done_criteria(results: list[dict]) -> dict:
+    """Issue #2's targets on the 2080×6144 shapes, from medians; the ratio of
+    minimums (least disturbed by other processes) is listed next to each."""
     criteria = {}
     for r in results:
         if (r["rows"], r["cols"]) not in TARGET_SHAPES:
@@ -180,14 +182,21 @@ def done_criteria(results: list[dict]) -> dict:
         name = f"{r['rows']}x{r['cols']}"
         matvec = ratio(r["matvec"], "kernel_f32", "dense_f32")
         criteria[f"{name}_matvec_vs_dense_f32"] = matvec
+        criteria[f"{name}_matvec_vs_dense_f32_of_minimums"] = ratio(
+            r["matvec"], "kernel_f32", "dense_f32", "min_ms"
+        )
         criteria[f"{name}_matvec_ok (<= 0.5)"] = matvec <= 0.5
         if 16 in r["matmul"]:
             m = r["matmul"][16]
-            criteria[f"{name}_matmul16_vs_dense_f32"] = ratio(m, "kernel", "dense_f32")
-            criteria[f"{name}_matmul16_vs_16_matvecs"] = ratio(m, "kernel", "separate_matvecs")
+            vs_dense = ratio(m, "kernel", "dense_f32")
+            vs_matvecs = ratio(m, "kernel", "separate_matvecs")
+            criteria[f"{name}_matmul16_vs_dense_f32"] = vs_dense
+            criteria[f"{name}_matmul16_vs_16_matvecs"] = vs_matvecs
+            criteria[f"{name}_matmul16_vs_16_matvecs_of_minimums"] = ratio(
+                m, "kernel", "separate_matvecs", "min_ms"
+            )
             criteria[f"{name}_matmul16_ok (<= 1.0, <= 0.25)"] = (
-                ratio(m, "kernel", "dense_f32") <= 1.0
-                and ratio(m, "kernel", "separate_matvecs") <= 0.25
+                vs_dense <= 1.0 and vs_matvecs <= 0.25
             )
     return criteria
 
