@@ -11,8 +11,9 @@ dense baselines multiply the same matrix, decoded, in float32 and bfloat16.
   encode   weights per second of ``codec.encode`` on one thread (per core).
 
 Times are medians over --repeats rounds; in each round every candidate of a
-shape runs once, back to back, so load from other processes hits all of them
-alike (minimums are in the JSON too). Weights and inputs are jit arguments.
+shape runs once, back to back in shuffled order, so load from other processes
+hits all of them alike (minimums are in the JSON too). Weights and inputs are
+jit arguments.
 
     PYTHONPATH=$PWD python benchmarks/kernels_cpu.py [--quick]
 """
@@ -64,13 +65,15 @@ def dense_weights(codes: np.ndarray, minmax: np.ndarray) -> np.ndarray:
 
 
 def side_by_side(candidates: dict[str, Callable[[], Any]], repeats: int) -> dict[str, dict]:
-    """Median and min wall time (ms) per candidate, interleaved round by round."""
+    """Median and min wall time (ms) per candidate: rounds of one call each, in shuffled order."""
     for run in candidates.values():
         for _ in range(3):
             jax.block_until_ready(run())
     samples: dict[str, list[float]] = {name: [] for name in candidates}
+    order = np.random.default_rng(0)
     for _ in range(repeats):
-        for name, run in candidates.items():
+        for name in order.permutation(list(candidates)):
+            run = candidates[name]
             start = time.perf_counter()
             jax.block_until_ready(run())
             samples[name].append(1e3 * (time.perf_counter() - start))
