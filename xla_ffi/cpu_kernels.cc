@@ -137,15 +137,15 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
   const std::vector<Unit> units = Units(groups, /*always_blocks=*/true);
   const int64_t unit_count = static_cast<int64_t>(units.size());
   const int64_t workers = Workers(pool);
-  const int64_t sums_size = (w.padded_cols + kDensePad) * kTokenLanes;
   // Writes dx for a unit's tokens, columns [columns.begin, columns.end), from partial sums.
   const auto store = [&](const Unit& unit, const float* const* parts, int64_t part_count,
                          RowRange columns) {
     const TokenGroup& group = groups[unit.group];
     for (int64_t t = 0; t < unit.count; ++t) {
+      const int64_t lane = (t / kTokenLanes) * TableSize(w.cols) + t % kTokenLanes;
       for (int64_t j = columns.begin; j < columns.end; ++j) {
         float total = 0.0f;
-        for (int64_t p = 0; p < part_count; ++p) total += parts[p][j * kTokenLanes + t];
+        for (int64_t p = 0; p < part_count; ++p) total += parts[p][lane + j * kTokenLanes];
         dx_rows.Set(group.out_rows[unit.first + t], j, total);
       }
     }
@@ -154,6 +154,7 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
   if (unit_count >= 2 * workers) {
     ParallelFor(pool, unit_count, [&](int64_t u) {
       Scratch& scratch = ThreadScratch();
+      const int64_t sums_size = TokenBufferSize(w.cols, units[u]);
       float* gradient = Reserve(scratch.tokens, TokenBufferSize(w.rows, units[u]));
       float* sums = Reserve(scratch.sums, sums_size);
       LoadTokens(units[u], groups[units[u].group].in_rows, g_rows, gradient);
@@ -171,7 +172,7 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
     });
     ParallelFor(pool, unit_count * splits, [&](int64_t task) {
       const int64_t u = task / splits;
-      partial[task].assign(sums_size, 0.0f);
+      partial[task].assign(TokenBufferSize(w.cols, units[u]), 0.0f);
       TransposedRows(w, *kernels, groups, units[u], gradients[u].data(),
                      Split(w.rows, splits, task % splits), partial[task].data(), failure);
     });

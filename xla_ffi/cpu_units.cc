@@ -81,8 +81,8 @@ std::vector<Unit> Units(const std::vector<TokenGroup>& groups, bool always_block
   std::vector<Unit> units;
   for (int64_t g = 0; g < static_cast<int64_t>(groups.size()); ++g) {
     const int64_t tokens = static_cast<int64_t>(groups[g].in_rows.size());
-    for (int64_t first = 0; first < tokens; first += kTokenLanes) {
-      const int64_t count = std::min(kTokenLanes, tokens - first);
+    for (int64_t first = 0; first < tokens; first += kTokensPerBlock) {
+      const int64_t count = std::min(kTokensPerBlock, tokens - first);
       if (always_blocks || count >= kBlockTokens) {
         units.push_back({g, first, count, true});
       } else {
@@ -103,9 +103,12 @@ int64_t RowSplits(int64_t rows, int64_t units, int64_t workers) {
                                        CeilDiv(rows, kMinRowsPerTask)));
 }
 
+int64_t Tables(const Unit& unit) { return CeilDiv(unit.count, kTokenLanes); }
+
+int64_t TableSize(int64_t width) { return (PaddedCols(width) + kDensePad) * kTokenLanes; }
+
 int64_t TokenBufferSize(int64_t width, const Unit& unit) {
-  const int64_t length = PaddedCols(width) + kDensePad;
-  return unit.block ? length * kTokenLanes : length;
+  return unit.block ? Tables(unit) * TableSize(width) : PaddedCols(width) + kDensePad;
 }
 
 void LoadTokens(const Unit& unit, const std::vector<int64_t>& rows, const DenseRows& dense,
@@ -114,7 +117,8 @@ void LoadTokens(const Unit& unit, const std::vector<int64_t>& rows, const DenseR
   for (int64_t t = 0; t < unit.count; ++t) {
     const int64_t row = rows[unit.first + t];
     if (unit.block) {
-      for (int64_t j = 0; j < dense.width; ++j) buffer[j * kTokenLanes + t] = dense.Get(row, j);
+      float* table = buffer + (t / kTokenLanes) * TableSize(dense.width) + t % kTokenLanes;
+      for (int64_t j = 0; j < dense.width; ++j) table[j * kTokenLanes] = dense.Get(row, j);
     } else if (dense.bf16) {
       for (int64_t j = 0; j < dense.width; ++j) buffer[j] = dense.Get(row, j);
     } else {
@@ -162,12 +166,17 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
       failure.Record(unit.group * w.rows + r);
       return;
     }
-    alignas(64) float plus[kTokenLanes];
-    alignas(64) float minus[kTokenLanes];
-    kernels.gather_token_rows(tokens, plus_index, plus_count, plus);
-    kernels.gather_token_rows(tokens, minus_index, minus_count, minus);
-    for (int64_t t = 0; t < unit.count; ++t) {
-      y.Set(group.out_rows[unit.first + t], r, row_max(r) * plus[t] + row_min(r) * minus[t]);
+    for (int64_t table = 0; table < Tables(unit); ++table) {
+      const float* token_table = tokens + table * TableSize(w.cols);
+      alignas(64) float plus[kTokenLanes];
+      alignas(64) float minus[kTokenLanes];
+      kernels.gather_token_rows(token_table, plus_index, plus_count, plus);
+      kernels.gather_token_rows(token_table, minus_index, minus_count, minus);
+      const int64_t first = table * kTokenLanes;
+      for (int64_t t = first; t < std::min(unit.count, first + kTokenLanes); ++t) {
+        y.Set(group.out_rows[unit.first + t], r,
+              row_max(r) * plus[t - first] + row_min(r) * minus[t - first]);
+      }
     }
   }
 }
@@ -190,14 +199,18 @@ void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
     }
     const float row_min = Bf16ToFloat(matrix.minmax[2 * r]);
     const float row_max = Bf16ToFloat(matrix.minmax[2 * r + 1]);
-    alignas(64) float plus[kTokenLanes];
-    alignas(64) float minus[kTokenLanes];
-    for (int64_t t = 0; t < kTokenLanes; ++t) {
-      plus[t] = row_max * gradient[r * kTokenLanes + t];
-      minus[t] = row_min * gradient[r * kTokenLanes + t];
+    for (int64_t table = 0; table < Tables(unit); ++table) {
+      const float* g = gradient + table * TableSize(w.rows) + r * kTokenLanes;
+      alignas(64) float plus[kTokenLanes];
+      alignas(64) float minus[kTokenLanes];
+      for (int64_t t = 0; t < kTokenLanes; ++t) {
+        plus[t] = row_max * g[t];
+        minus[t] = row_min * g[t];
+      }
+      float* table_sums = sums + table * TableSize(w.cols);
+      kernels.scatter_token_rows(table_sums, plus_index, plus_count, plus);
+      kernels.scatter_token_rows(table_sums, minus_index, minus_count, minus);
     }
-    kernels.scatter_token_rows(sums, plus_index, plus_count, plus);
-    kernels.scatter_token_rows(sums, minus_index, minus_count, minus);
   }
 }
 

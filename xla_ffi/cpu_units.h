@@ -1,7 +1,8 @@
 // Units of work of the CPU handlers: the tokens of one weight matrix, either
 // one token at a time (each row decoded straight into a dot product with a
-// padded f32 copy of x) or blocks of up to 16 tokens stored token-major, so
-// that each decoded nonzero weight adds one 16-lane row for all of them.
+// padded f32 copy of x) or blocks of up to 64 tokens stored token-major in
+// tables of 16, so that a row is decoded once and each of its nonzero
+// weights adds one 16-lane row per table.
 #pragma once
 
 #include <cstdint>
@@ -29,6 +30,8 @@ float Bf16ToFloat(uint16_t bits);
 // The row kernels for this call: the best the CPU runs, or QMOE_CPU_ISA's.
 xla::ffi::Error SelectKernels(const char* op, const RowKernels** kernels);
 
+inline constexpr int64_t kTokensPerBlock = 4 * kTokenLanes;
+
 // Tokens [first, first + count) of groups[group], computed together.
 struct Unit {
   int64_t group;
@@ -37,8 +40,8 @@ struct Unit {
   bool block;
 };
 
-// Cuts each group's tokens into blocks of 16; a block of fewer than
-// kBlockTokens tokens goes one token at a time unless always_blocks.
+// Cuts each group's tokens into blocks of up to kTokensPerBlock; a block of
+// fewer than kBlockTokens tokens goes one token at a time unless always_blocks.
 std::vector<Unit> Units(const std::vector<TokenGroup>& groups, bool always_blocks);
 
 struct RowRange {
@@ -52,11 +55,16 @@ RowRange Split(int64_t total, int64_t splits, int64_t split);
 // Row ranges per unit when there are too few units to keep `workers` busy.
 int64_t RowSplits(int64_t rows, int64_t units, int64_t workers);
 
+// Token-major tables of a block unit, each [PaddedCols(width) + kDensePad][16].
+int64_t Tables(const Unit& unit);
+int64_t TableSize(int64_t width);
+
 // Floats of a unit's token buffer (LoadTokens).
 int64_t TokenBufferSize(int64_t width, const Unit& unit);
 
 // A unit's dense rows (rows[first..], `dense.width` values each) as f32: one
-// zero-padded row, or token-major [width + kDensePad][16] for a block.
+// zero-padded row, or Tables(unit) token-major tables for a block (token t
+// in lane t % 16 of table t / 16).
 void LoadTokens(const Unit& unit, const std::vector<int64_t>& rows, const DenseRows& dense,
                 float* buffer);
 
@@ -81,9 +89,9 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
                 const std::vector<TokenGroup>& groups, const Unit& unit, const float* tokens,
                 RowRange rows, const DenseRows& y, FirstFailure& failure);
 
-// Adds (W rows in `rows`)ᵀ · g for a block unit into `sums`, token-major
-// [padded_cols + kDensePad][16]; `gradient` is the unit's g, token-major
-// [rows][16]. Failures are recorded as in MatmulRows.
+// Adds (W rows in `rows`)ᵀ · g for a block unit into `sums`, Tables(unit)
+// token-major tables of width cols; `gradient` holds the unit's g as tables
+// of width rows (LoadTokens). Failures are recorded as in MatmulRows.
 void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
                     const std::vector<TokenGroup>& groups, const Unit& unit,
                     const float* gradient, RowRange rows, float* sums, FirstFailure& failure);
