@@ -183,7 +183,7 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     factor = jnp.pad(factor, ((0, padding), (0, padding))) + jnp.diag(is_padding.astype(jnp.float32))
     factor_diag = jnp.diagonal(factor)
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0)))
-    _, codes_t, loss = _sweep(weights_t, jnp.zeros_like(weights_t), factor / factor_diag, factor_diag, params, grid,
+    _, codes_t, loss = _sweep(weights_t, jnp.zeros_like(weights_t), factor / factor_diag[None, :], factor_diag, params, grid,
                               config.block_sizes)
     codes = codes_t[:cols].T
     if config.act_order:
