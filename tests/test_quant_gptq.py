@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -46,13 +47,20 @@ def test_loss_is_half_the_damped_objective():
     np.testing.assert_allclose(float(result.loss), objective / 2, rtol=1e-3)
 
 
-def test_hessian_factor_is_the_inverse_of_gptqs_hinv():
-    _, inputs = correlated_problem(5)
-    hessian = inputs.T @ inputs + np.eye(160, dtype=np.float32)
-    factor = np.asarray(hessian_factor(jnp.asarray(hessian)), np.float64)
-    assert np.allclose(np.tril(factor, -1), 0.0)
+def test_hessian_factor_is_the_inverse_of_gptqs_hinv_and_fails_as_nans():
+    # 600 columns: the recursive Cholesky splits into LAPACK blocks of 150 and matmul updates.
+    _, inputs = correlated_problem(5, cols=600, tokens=700)
+    hessian = inputs.T @ inputs
+    hessian += 0.1 * np.mean(np.diag(hessian)) * np.eye(600, dtype=np.float32)
+    factor_of = jax.jit(hessian_factor)
+    factor = np.asarray(factor_of(hessian), np.float64)
+    np.testing.assert_array_equal(np.tril(factor, -1), 0.0)
     hinv = np.linalg.cholesky(np.linalg.inv(hessian.astype(np.float64))).T
     np.testing.assert_allclose(np.linalg.inv(factor), hinv, rtol=1e-3, atol=1e-3 * np.abs(hinv).max())
+    for broken in (0, 299, 300, 599):
+        indefinite = hessian.copy()
+        indefinite[broken, broken] = -1.0
+        assert not np.isfinite(np.asarray(factor_of(indefinite))).all(), broken
 
 
 @pytest.mark.parametrize("config", [GPTQConfig(block_size=32, sub_block_size=32), GPTQConfig(sub_block_size=1),

@@ -93,7 +93,7 @@ def test_minmax_codes_span_the_k_bit_range(grid):
 @given(matrices)
 def test_quantize_lands_on_nearest_level_and_codes_decode_exactly(weights):
     for grid in GRIDS:
-        params, dequantized, codes, decoded, levels = roundtrip(weights, grid)
+        _, dequantized, codes, decoded, levels = roundtrip(weights, grid)
         assert codes.dtype == jnp.uint8 and codes.shape == weights.shape
         assert int(codes.max()) < grid.levels
         np.testing.assert_array_equal(np.asarray(decoded), np.asarray(dequantized))

@@ -9,6 +9,7 @@ from qmoe_jax.quant.grids import dequantize_codes as dequantize_codes
 from qmoe_jax.quant.grids import grid_params as grid_params
 from qmoe_jax.quant.grids import quantize as quantize
 from qmoe_jax.quant.group import DEFAULT_GROUP_SIZE as DEFAULT_GROUP_SIZE
+from qmoe_jax.quant.group import EXPERT_AXIS as EXPERT_AXIS
 from qmoe_jax.quant.group import GroupResult as GroupResult
 from qmoe_jax.quant.group import expert_mesh as expert_mesh
 from qmoe_jax.quant.group import gptq_experts as gptq_experts

@@ -41,6 +41,7 @@ from jax import lax
 from qmoe_jax.quant.grids import GridConfig, grid_params, quantize
 
 _HIGHEST = lax.Precision.HIGHEST
+_CHOLESKY_BASE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +93,25 @@ class GPTQResult(NamedTuple):
     loss: jax.Array
 
 
+def _cholesky(matrix: jax.Array) -> jax.Array:
+    """Lower Cholesky factor; NaNs where it fails. Recursive halving keeps LAPACK to blocks of at most
+    _CHOLESKY_BASE and does the rest as matmuls, which batch and thread far better on CPU."""
+    size = matrix.shape[-1]
+    if size <= _CHOLESKY_BASE:
+        return jnp.linalg.cholesky(matrix)
+    half = size // 2
+    top = _cholesky(matrix[:half, :half])
+    left = lax.linalg.triangular_solve(top, matrix[half:, :half], left_side=False, lower=True, transpose_a=True)
+    bottom = _cholesky(matrix[half:, half:] - jnp.matmul(left, left.T, precision=_HIGHEST))
+    return jnp.block([[top, jnp.zeros((half, size - half), matrix.dtype)], [left, bottom]])
+
+
 def hessian_factor(hessian: jax.Array) -> jax.Array:
     """R, upper triangular with H = R·Rᵀ, for a positive definite H[n, n] (NaNs if it is not).
 
     U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself.
     """
-    return jnp.linalg.cholesky(hessian[::-1, ::-1])[::-1, ::-1]
+    return _cholesky(hessian[::-1, ::-1])[::-1, ::-1]
 
 
 def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
@@ -146,7 +160,7 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     if jnp.ndim(weights) != 2 or jnp.shape(hessian) != (weights.shape[1],) * 2:
         raise ValueError(f"gptq expects weights [rows, cols] and hessian [cols, cols]; got {jnp.shape(weights)} and "
                          f"{jnp.shape(hessian)} (T5X kernels are x·K: pass W = K.T)")
-    rows, cols = weights.shape
+    cols = jnp.shape(weights)[1]
     weights = jnp.asarray(weights, jnp.float32)
     hessian = jnp.asarray(hessian, jnp.float32)
     params = grid_params(weights, grid)
@@ -169,7 +183,7 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     factor = jnp.pad(factor, ((0, padding), (0, padding))) + jnp.diag(is_padding.astype(jnp.float32))
     factor_diag = jnp.diagonal(factor)
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0)))
-    _, codes_t, loss = _sweep(weights_t, jnp.zeros_like(weights_t), factor / factor_diag, factor_diag, params, grid,
+    _, codes_t, loss = _sweep(weights_t, jnp.zeros_like(weights_t), factor / factor_diag[None, :], factor_diag, params, grid,
                               config.block_sizes)
     codes = codes_t[:cols].T
     if config.act_order:

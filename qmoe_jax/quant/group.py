@@ -77,7 +77,7 @@ def expert_mesh(devices=None) -> Mesh:
 _gptq_experts_jit = jax.jit(gptq_experts, static_argnames=("grid", "config"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sharded_gptq_experts(mesh: Mesh, grid: GridConfig, config: GPTQConfig):
     spec = PartitionSpec(EXPERT_AXIS)
     local = functools.partial(gptq_experts, grid=grid, config=config)
@@ -103,7 +103,7 @@ def quantize_expert_group(weights, hessians, tokens_per_expert, grid: GridConfig
       GroupResult(codes uint8[E, rows, cols], grid_params [E, rows, 2], fallback bool[E], loss float32[E]);
       bit-identical whatever the mesh.
     """
-    num_experts, rows, cols = jnp.shape(weights)
+    num_experts, _, cols = jnp.shape(weights)
     if jnp.shape(hessians) != (num_experts, cols, cols) or jnp.shape(tokens_per_expert) != (num_experts,):
         raise ValueError(f"quantize_expert_group expects weights [E, rows, cols], hessians [E, cols, cols], "
                          f"tokens_per_expert [E]; got {jnp.shape(weights)}, {jnp.shape(hessians)}, "

@@ -1,0 +1,94 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from quant_helpers import correlated_problem, gptq_jit
+
+from qmoe_jax.quant import GridConfig, quantize_expert_group, rtn
+
+TERNARY = GridConfig()
+
+
+def expert_group(num_experts: int, seed: int = 0):
+    """W[E, 32, 160], H[E, 160, 160], tokens[E]; expert 1 has no tokens, expert 2 a NaN Hessian, expert 3 a negative one."""
+    problems = [correlated_problem(seed + e) for e in range(num_experts)]
+    weights = np.stack([w for w, _ in problems])
+    hessians = np.stack([x.T @ x for _, x in problems])
+    tokens = np.full(num_experts, 1024, np.int32)
+    tokens[1] = 0
+    hessians[1] = 0.0
+    hessians[2] = np.nan
+    hessians[3] = -hessians[3]
+    return weights, hessians, tokens
+
+
+def test_group_equals_a_loop_over_experts_and_flags_fallbacks():
+    weights, hessians, tokens = expert_group(6)
+    result = quantize_expert_group(weights, hessians, tokens, TERNARY)
+    np.testing.assert_array_equal(np.asarray(result.fallback), [False, True, True, True, False, False])
+    assert result.codes.shape == (6, 32, 160) and result.codes.dtype == jnp.uint8
+    assert result.grid_params.shape == (6, 32, 2) and result.grid_params.dtype == jnp.bfloat16
+    for e in (0, 4, 5):
+        single = gptq_jit(weights[e], hessians[e], grid=TERNARY)
+        np.testing.assert_array_equal(np.asarray(result.codes[e]), np.asarray(single.codes))
+        np.testing.assert_array_equal(np.asarray(result.grid_params[e]), np.asarray(single.grid_params))
+        np.testing.assert_allclose(float(result.loss[e]), float(single.loss), rtol=1e-5)
+    for e in (1, 2, 3):
+        codes, params = rtn(weights[e], TERNARY)
+        np.testing.assert_array_equal(np.asarray(result.codes[e]), np.asarray(codes))
+        np.testing.assert_array_equal(np.asarray(result.grid_params[e]), np.asarray(params))
+
+
+def test_shape_errors_and_bad_meshes_are_explained():
+    weights, hessians, tokens = expert_group(4)
+    with pytest.raises(ValueError, match=r"hessians \[E, cols, cols\]"):
+        quantize_expert_group(weights, hessians[:, :10], tokens, TERNARY)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        quantize_expert_group(weights, hessians, tokens[:3], TERNARY)
+    bad_mesh = jax.sharding.Mesh(np.asarray(jax.local_devices()[:1]), ("data",))
+    with pytest.raises(ValueError, match="expert_mesh"):
+        quantize_expert_group(weights, hessians, tokens, TERNARY, mesh=bad_mesh)
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax
+    import numpy as np
+    sys.path.insert(0, {tests!r})
+    from test_quant_group import expert_group
+    from qmoe_jax.quant import GridConfig, expert_mesh, quantize_expert_group
+
+    assert jax.local_device_count() == 4, jax.local_device_count()
+    out = {{}}
+    for num_experts in (6, 8):
+        weights, hessians, tokens = expert_group(num_experts)
+        result = quantize_expert_group(weights, hessians, tokens, GridConfig())
+        if num_experts == 8:
+            assert len(result.codes.sharding.device_set) == 4, result.codes.sharding
+        for name, value in result._asdict().items():
+            out[f"{{name}}_{{num_experts}}"] = np.asarray(value, np.float32 if name == "grid_params" else None)
+    one_device = quantize_expert_group(*expert_group(6), GridConfig(), mesh=expert_mesh(jax.devices()[:1]))
+    out["codes_6_mesh1"] = np.asarray(one_device.codes)
+    np.savez({path!r}, **out)
+""")
+
+
+def test_sharded_over_four_devices_is_bit_identical_to_one_device(tmp_path):
+    path = str(tmp_path / "sharded.npz")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH")]))
+    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), path=path)
+    completed = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    sharded = np.load(path)
+    for num_experts in (6, 8):
+        reference = quantize_expert_group(*expert_group(num_experts), TERNARY)
+        for name, value in reference._asdict().items():
+            expected = np.asarray(value, np.float32 if name == "grid_params" else None)
+            np.testing.assert_array_equal(sharded[f"{name}_{num_experts}"], expected, err_msg=name)
+    np.testing.assert_array_equal(sharded["codes_6_mesh1"], sharded["codes_6"])
