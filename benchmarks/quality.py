@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,12 +48,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num_samples", type=int, default=1024, help="calibration samples at 1×")
     parser.add_argument("--validation_samples", type=int, default=None, help="default: the whole validation split")
-    parser.add_argument("--work_dir", default=os.path.join(REPO, "benchmarks", "results", "quality"))
+    parser.add_argument("--work_dir", default=None,
+                        help="keep the compressed checkpoints here (a fresh directory per run; "
+                             "default: a temporary directory, removed at the end)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
         args.num_samples, args.validation_samples = 128, 256
 
+    work_dir = args.work_dir or tempfile.mkdtemp(prefix="qmoe_quality_")
+    try:
+        run_all(args, work_dir)
+    finally:
+        if args.work_dir is None:
+            shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def run_all(args, work_dir: str) -> None:
     config = get_config(bundled.CONFIG_NAME)
     tokenizer = Tokenizer(bundled.tokenizer_path())
     examples = bundled_validation_examples(tokenizer, args.validation_samples)
@@ -68,7 +81,9 @@ def main() -> None:
     for method, grid, amount in runs:
         samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
         name = f"{grid}-{method}" + ("" if amount is None else f"-{amount}x")
-        output_dir = os.path.join(args.work_dir, name)
+        output_dir = os.path.join(work_dir, name)
+        if os.path.exists(output_dir):
+            raise SystemExit(f"{output_dir} exists; give an empty --work_dir so runs do not resume each other")
         started = time.time()
         report = compress_checkpoint(
             CompressionOptions(grid=grid, num_samples=samples, output_dir=output_dir, **METHODS[method]),

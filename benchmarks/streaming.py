@@ -21,6 +21,7 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import ml_dtypes
@@ -50,6 +51,32 @@ def synthetic_params(config, seed: int) -> dict:
             node = node.setdefault(key, {})
         node[keys[-1]] = value
     return params
+
+
+def run_sampled(command: list[str]) -> tuple[int, list[tuple[float, str]], list[tuple[float, int]]]:
+    """Runs the child, recording its output lines and its RSS (every 0.2 s) against time,
+    so that the report can say at which stage the peak happened."""
+    started = time.time()
+    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    samples: list[tuple[float, int]] = []
+
+    def sample() -> None:
+        while child.poll() is None:
+            try:
+                with open(f"/proc/{child.pid}/status") as f:
+                    rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+                samples.append((time.time() - started, rss))
+            except (OSError, StopIteration):
+                pass
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    log = [(time.time() - started, line) for line in child.stdout]
+    returncode = child.wait()
+    sampler.join()
+    return returncode, log, samples
 
 
 def directory_bytes(path: str) -> int:
@@ -94,12 +121,15 @@ def main() -> None:
     if args.tokenizer:
         command += ["--tokenizer", args.tokenizer]
     started = time.time()
-    child = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    returncode, log, samples = run_sampled(command)
     compress_seconds = time.time() - started
-    if child.returncode != 0:
-        print(child.stdout[-3000:], child.stderr[-3000:])
-        raise SystemExit(f"compression failed with exit code {child.returncode}")
+    if returncode != 0:
+        print("".join(line for _, line in log)[-6000:])
+        raise SystemExit(f"compression failed with exit code {returncode}")
     peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+    peak_time, peak_sampled = max(samples, key=lambda sample: sample[1], default=(0.0, 0))
+    peak_stage = next((line.strip() for t, line in reversed(log) if t <= peak_time), "(start-up)")
+    print(f"sampled RSS peak {peak_sampled / 2**30:.2f} GiB at {peak_time:.0f}s, after: {peak_stage[:160]}")
     with open(os.path.join(output_dir, "report.json")) as f:
         report = json.load(f)
     result = {
@@ -109,6 +139,7 @@ def main() -> None:
         "peak_over_checkpoint": peak / checkpoint_bytes,
         "limit": 1 / 3,
         "passed": peak <= checkpoint_bytes / 3,
+        "peak_stage": peak_stage,
         "compress_seconds": compress_seconds,
         "compressed_bytes": report["model"]["compressed_bytes"],
         "command": " ".join(command[1:]),
