@@ -215,7 +215,9 @@ def sort_by_expert(expert: np.ndarray, kept: np.ndarray, num_experts: int) -> tu
 
 
 def hessian_token_cap(premask: np.ndarray, order: np.ndarray, starts: np.ndarray, factor: float) -> int:
-    counts = np.add.reduceat(premask[order].astype(np.int64), starts[:-1]) if order.size else np.zeros(starts.size - 1)
-    counts = np.where(np.diff(starts) == 0, 0, counts)
+    """The cap on Hessian tokens per expert: ``factor`` × the mean count of premasked tokens."""
+    # Counts from a running sum: experts without tokens (anywhere, the last ones too) count 0.
+    running = np.concatenate([[0], np.cumsum(premask[order], dtype=np.int64)])
+    counts = running[starts[1:]] - running[starts[:-1]]
     return int(token_cap(jnp.asarray(counts), factor))
 

@@ -1,0 +1,45 @@
+"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering a group."""
+
+import numpy as np
+import pytest
+
+from qmoe_jax.calibration.experts import gather_group, hessian_token_cap, sort_by_expert
+
+
+def test_sort_by_expert_groups_kept_rows_in_buffer_order():
+    expert = np.array([2, 0, 2, 1, 0, 2])
+    kept = np.array([True, True, False, True, True, True])
+    order, starts = sort_by_expert(expert, kept, num_experts=4)
+    np.testing.assert_array_equal(order, [1, 4, 3, 0, 5])
+    np.testing.assert_array_equal(starts, [0, 2, 3, 5, 5])  # expert 3 has no tokens
+
+
+@pytest.mark.parametrize(
+    "expert,premask,expected_counts",
+    [
+        ([0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 1], [2, 3, 0, 0]),  # the last experts have no tokens
+        ([3, 3, 3, 1], [1, 1, 1, 1], [0, 1, 0, 3]),  # the first and a middle expert have none
+        ([2, 2, 2, 2], [1, 0, 1, 1], [0, 0, 3, 0]),  # one expert has all tokens
+        ([], [], [0, 0, 0, 0]),  # no tokens at all
+    ],
+)
+def test_hessian_token_cap_counts_every_expert(expert, premask, expected_counts):
+    expert = np.asarray(expert, np.int64)
+    order, starts = sort_by_expert(expert, np.ones(expert.size, bool), num_experts=4)
+    mean = sum(expected_counts) / 4
+    expected = max(1, int(np.floor(2.0 * mean)))
+    assert hessian_token_cap(np.asarray(premask, bool), order, starts, factor=2.0) == expected
+
+
+def test_gather_group_pads_and_caps():
+    expert = np.array([0, 1, 1, 1, 1, 0, 3])
+    premask = np.array([True, True, False, True, True, True, True])
+    order, starts = sort_by_expert(expert, np.ones(expert.size, bool), num_experts=4)
+    group = gather_group(order, starts, range(1, 4), premask, cap=2)
+    assert group.rows.shape == (3, 8)  # 4 tokens at most, padded to the bucket of 8
+    np.testing.assert_array_equal(group.rows[0, :4], [1, 2, 3, 4])
+    np.testing.assert_array_equal(group.valid.sum(axis=1), [4, 0, 1])
+    # Expert 1: rows 1, 3 and 4 are premasked; the cap of 2 keeps two of them, never row 2.
+    assert group.hessian_mask[0].sum() == 2 and not group.hessian_mask[0, 1]
+    assert not group.hessian_mask[1].any() and group.hessian_mask[2, 0]
+    assert not (group.hessian_mask & ~group.valid).any()
