@@ -55,9 +55,9 @@ def parse_options(argv=None) -> CompressionOptions:
                         help="GPTQ damping, as a fraction of mean diag(H) (QMoE: 0.1; GPTQ: 0.01)")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="span-corruption seed of the calibration data")
     parser.add_argument("--output_dir", help="output directory (default: runs/compressed/<config>)")
-    parser.add_argument("--hessian_memory_mb", type=int,
-                        help="memory per vmapped GPTQ call; wide kernels are split into several calls "
-                             "(default: 1/4 of accelerator memory, 512 on CPU)")
+    parser.add_argument("--gptq_memory_mb", type=int,
+                        help="memory per vmapped GPTQ call (Hessians, weights, working copies); a group that "
+                             "needs more is split into several calls (default: 1/4 of accelerator memory, 256 on CPU)")
     args = parser.parse_args(argv)
     try:
         return CompressionOptions(**vars(args))

@@ -45,8 +45,9 @@ class CompressionOptions:
       grid: "ternary", "2bit", "3bit", "4bit" or "8bit"; method: "gptq" or "rtn".
       group_size: experts per vmapped GPTQ call; dictionary: "static" or "adaptive".
       output_dir: where the compressed checkpoint goes (None: runs/compressed/<config>).
-      hessian_memory_mb: memory one vmapped GPTQ call may use for Hessians (None:
-        a quarter of the accelerator's memory, or 512 MiB on CPU).
+      gptq_memory_mb: memory one vmapped GPTQ call may use for its Hessians,
+        weights and working copies (None: a quarter of the accelerator's memory,
+        or 256 MiB on CPU).
     """
 
     checkpoint: str | None = None
@@ -65,7 +66,7 @@ class CompressionOptions:
     damping: float = 0.1
     seed: int = 1
     output_dir: str | None = None
-    hessian_memory_mb: int | None = None
+    gptq_memory_mb: int | None = None
 
     def __post_init__(self):
         if self.grid not in GRIDS:
@@ -74,6 +75,10 @@ class CompressionOptions:
             raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
         if not (self.calibration == "bundled" or self.calibration.startswith(("c4:", "text:"))):
             raise ValueError(f"calibration must be 'bundled', 'c4:<dir>' or 'text:<glob>', got {self.calibration!r}")
+        if self.gptq_memory_mb is not None and self.gptq_memory_mb < 1:
+            raise ValueError(f"gptq_memory_mb must be at least 1 (MiB), got {self.gptq_memory_mb}")
+        if not self.damping > 0:
+            raise ValueError(f"damping must be positive (a fraction of mean diag(H), e.g. 0.1), got {self.damping}")
 
 
 def resolve_config(spec: str) -> SwitchConfig:
@@ -90,10 +95,10 @@ def resolve_config(spec: str) -> SwitchConfig:
     return get_config(spec)
 
 
-def default_hessian_memory_mb() -> int:
+def default_gptq_memory_mb() -> int:
     stats = jax.devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
-    return int(limit // 4 >> 20) if limit else 512
+    return int(limit // 4 >> 20) if limit else 256
 
 
 def infer_config(checkpoint: T5XCheckpoint) -> SwitchConfig:
@@ -153,12 +158,12 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
     data_seconds = time.perf_counter() - data_started
 
     grid = GRIDS[options.grid]
-    hessian_memory_mb = options.hessian_memory_mb or default_hessian_memory_mb()
+    gptq_memory_mb = options.gptq_memory_mb or default_gptq_memory_mb()
     settings = CalibrationConfig(
         experts=ExpertCompressionConfig(grid=grid, method=options.method, group_size=options.group_size,
                                         gptq=GPTQConfig(act_order=options.act_order, damping=options.damping),
                                         true_sequential=options.true_sequential,
-                                        hessian_memory=hessian_memory_mb << 20),
+                                        gptq_memory=gptq_memory_mb << 20),
         dictionary=options.dictionary, batch_size=options.batch_size,
     )
     header = {
@@ -169,7 +174,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
             "dictionary": options.dictionary, "true_sequential": options.true_sequential,
             "act_order": options.act_order, "damping": options.damping, "calibration": options.calibration,
             "num_samples": options.num_samples, "inputs_length": options.inputs_length,
-            "batch_size": options.batch_size, "seed": options.seed, "hessian_memory_mb": hessian_memory_mb,
+            "batch_size": options.batch_size, "seed": options.seed, "gptq_memory_mb": gptq_memory_mb,
             "tokenizer": os.path.basename(tokenizer.model_path),
         },
     }

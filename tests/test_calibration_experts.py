@@ -43,3 +43,21 @@ def test_gather_group_pads_and_caps():
     assert group.hessian_mask[0].sum() == 2 and not group.hessian_mask[0, 1]
     assert not group.hessian_mask[1].any() and group.hessian_mask[2, 0]
     assert not (group.hessian_mask & ~group.valid).any()
+
+
+def test_experts_per_call_fits_the_memory_and_splits_evenly():
+    from qmoe_jax.calibration.experts import HESSIAN_COPIES, WEIGHT_COPIES, ExpertCompressionConfig
+
+    def per_expert(rows, cols):
+        return 4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows)
+
+    settings = ExpertCompressionConfig(group_size=16, gptq_memory=10 * per_expert(768, 3072))
+    step = settings.experts_per_call(768, 3072, 16)
+    assert step == 8  # 10 fit; two even calls of 8 instead of 10 + 6
+    assert settings.experts_per_call(3072, 768, 16) == 16  # the narrow kernel fits whole
+    assert settings.experts_per_call(768, 3072, 5) == 5  # a short last group
+    tiny = ExpertCompressionConfig(group_size=16, gptq_memory=1)
+    assert tiny.experts_per_call(768, 3072, 16) == 1  # never zero experts per call
+    # Weights count, not only Hessians: a tall matrix with few columns is split too.
+    tall = ExpertCompressionConfig(group_size=16, gptq_memory=4 * per_expert(3072, 768))
+    assert tall.experts_per_call(3072, 768, 16) == 4

@@ -144,3 +144,20 @@ def test_fused_kernels_run_the_compressed_model(tiny_setup, tmp_path):
     expected = dense.module().apply({"params": dense.params}, *args)
     got = fused.module().apply({"params": fused.params}, *args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
+
+
+def test_true_sequential_and_act_order_change_only_what_they_should(tiny_setup, tmp_path):
+    quiet = dict(log=lambda _: None, progress=False, config=TINY)
+    compress_checkpoint(options(tiny_setup, tmp_path / "plain"), **quiet)
+    compress_checkpoint(options(tiny_setup, tmp_path / "seq", true_sequential=True), **quiet)
+    compress_checkpoint(options(tiny_setup, tmp_path / "act", act_order=True), **quiet)
+    plain, seq, act = (all_arrays(str(tmp_path / name)) for name in ("plain", "seq", "act"))
+    first = "encoder.layers_1.mlp"  # later layers see other inputs once one layer differs
+    # True-sequential changes wo's Hessian only: the input kernel is quantized the same way.
+    np.testing.assert_array_equal(plain[first]["wi"]["codes"], seq[first]["wi"]["codes"])
+    assert not np.array_equal(plain[first]["wo"]["codes"], seq[first]["wo"]["codes"])
+    assert not np.array_equal(plain[first]["wi"]["codes"], act[first]["wi"]["codes"])
+    model = load_compressed_model(str(tmp_path / "seq"))
+    tokens = np.arange(2, 34, dtype=np.int32).reshape(2, 16)
+    example = [(tokens[0], tokens[1]), (tokens[1], tokens[0])]
+    assert np.isfinite(mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2))

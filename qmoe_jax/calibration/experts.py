@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +29,13 @@ from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, expert_hess
 from qmoe_jax.quant import cap_tokens, rtn, token_cap
 
 
-# A vmapped GPTQ call holds about this many float32 [cols, cols] arrays per expert
-# (the Hessian, its damped and reversed copies, the Cholesky factor), measured
-# on XLA:CPU at 16 experts of 768×3072 (2.4 GB above the inputs).
-HESSIAN_COPIES = 5
+# Peak memory of one vmapped GPTQ call, per expert, in float32 arrays: about this
+# many [cols, cols] Hessian-sized ones (the Hessian, its damped copy, the Cholesky
+# factor) and [rows, cols] weight-sized ones (the weights, their running update,
+# the block errors, the dequantized result). Fitted on XLA:CPU to the peak RSS of
+# calls of 1-16 switch-base experts (768×3072 and 3072×768): 2.6 and 4.6 copies.
+HESSIAN_COPIES = 3
+WEIGHT_COPIES = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +50,9 @@ class ExpertCompressionConfig:
       true_sequential: the output kernel's Hessian uses the *quantized* input
         kernels' activations (off: original activations, as QMoE).
       token_cap_factor: Hessian tokens per expert are capped at this × the mean.
-      hessian_memory: bytes one vmapped GPTQ call may use for its Hessians and
-        their factorizations; a group whose kernel has many columns is split
-        into several calls so that wide kernels (d_ff = 6144 for c-2048) fit.
+      gptq_memory: bytes one vmapped GPTQ call may use for its Hessians, weights
+        and their working copies; a group that needs more is split evenly into
+        several calls (wide kernels, d_ff = 6144 for c-2048, need the most).
     """
 
     grid: GridConfig = GridConfig()
@@ -57,12 +61,15 @@ class ExpertCompressionConfig:
     gptq: GPTQConfig = GPTQConfig()
     true_sequential: bool = False
     token_cap_factor: float = 4.0
-    hessian_memory: int = 512 << 20
+    gptq_memory: int = 256 << 20
 
-    def experts_per_call(self, cols: int) -> int:
-        """Experts in one vmapped GPTQ call for a kernel with ``cols`` inputs."""
-        per_expert = HESSIAN_COPIES * 4 * cols * cols
-        return max(1, min(self.group_size, self.hessian_memory // per_expert))
+    def experts_per_call(self, rows: int, cols: int, experts: int) -> int:
+        """Experts per vmapped GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory``,
+        and the calls as even as possible (fewer distinct shapes to compile)."""
+        per_expert = 4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows)
+        most = max(1, min(self.group_size, self.gptq_memory // per_expert))
+        calls = -(-experts // most)
+        return -(-experts // calls)
 
     def __post_init__(self):
         if self.method not in ("gptq", "rtn"):
@@ -77,6 +84,9 @@ class QuantizedKernel:
 
     codes: np.ndarray
     grid_params: np.ndarray
+
+    def part(self, experts: slice) -> QuantizedKernel:
+        return QuantizedKernel(self.codes[experts], self.grid_params[experts])
 
 
 def input_kernel_names(config: SwitchConfig) -> list[str]:
@@ -158,14 +168,17 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         seconds["gptq"] += time.perf_counter() - started
         return quantized, fallback, seconds
 
-    def quantize(name: str, kernel_inputs: jax.Array) -> None:
-        """Hessians + GPTQ of one kernel, in calls of at most ``experts_per_call`` experts."""
-        step = settings.experts_per_call(kernel_inputs.shape[-1])
+    def quantize(name: str, inputs_of: Callable[[slice], jax.Array], cols: int) -> None:
+        """Hessians + GPTQ of one kernel, in calls of at most ``experts_per_call`` experts;
+        ``inputs_of(part)`` gives the kernel's inputs for those experts only."""
+        experts = len(tokens.rows)
+        rows = kernels[name].shape[2]  # T5X kernels are [g, in, out]: W has out rows
+        step = settings.experts_per_call(rows, cols, experts)
         codes, params = [], []
-        for start in range(0, kernel_inputs.shape[0], step):
+        for start in range(0, experts, step):
             part = slice(start, start + step)
             started = time.perf_counter()
-            hessians, counts = expert_hessians(kernel_inputs[part], mask[part])
+            hessians, counts = expert_hessians(inputs_of(part), mask[part])
             hessians.block_until_ready()
             seconds["hessian"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -178,18 +191,20 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
             seconds["gptq"] += time.perf_counter() - started
         quantized[name] = QuantizedKernel(np.concatenate(codes), np.concatenate(params))
 
+    def hidden_of(part: slice) -> jax.Array:
+        """wo's inputs for the experts of ``part``: activations through the original input
+        kernels (QMoE), or through the quantized ones (true-sequential)."""
+        if settings.true_sequential:
+            in_kernels = [dequantized_t5x_kernel(quantized[n].part(part), settings.grid) for n in names]
+        else:
+            in_kernels = [jnp.asarray(kernels[n][part], jnp.float32) for n in names]
+        return jax.vmap(lambda xs, *ks: expert_hidden(config, list(ks), xs))(x[part], *in_kernels)
+
     mask = jnp.asarray(tokens.hessian_mask)
     x = jnp.asarray(inputs)
     for name in names:
-        quantize(name, x)
-    started = time.perf_counter()
-    if settings.true_sequential:
-        in_kernels = [dequantized_t5x_kernel(quantized[n], settings.grid) for n in names]
-    else:
-        in_kernels = [jnp.asarray(kernels[n], jnp.float32) for n in names]
-    hidden = jax.vmap(lambda xs, *ks: expert_hidden(config, list(ks), xs))(x, *in_kernels)
-    seconds["hessian"] += time.perf_counter() - started
-    quantize("wo", hidden)
+        quantize(name, lambda part: x[part], config.d_model)
+    quantize("wo", hidden_of, config.d_ff)
     return quantized, fallback, seconds
 
 
@@ -197,13 +212,15 @@ def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, Q
                   inputs: np.ndarray, gates: np.ndarray) -> np.ndarray:
     """Gated outputs ``[g, n, d]`` of the group's tokens through the quantized experts."""
     names = input_kernel_names(config)
-    in_kernels = [dequantized_t5x_kernel(quantized[n], grid) for n in names]
-    out_kernel = dequantized_t5x_kernel(quantized["wo"], grid)
-    outputs = [
-        expert_outputs(config, [k[e] for k in in_kernels], out_kernel[e], jnp.asarray(inputs[e]), jnp.asarray(gates[e]))
-        for e in range(inputs.shape[0])
-    ]
-    return np.asarray(jnp.stack(outputs))
+    outputs = np.empty(inputs.shape, np.float32)
+    for e in range(inputs.shape[0]):  # one expert's dequantized kernels at a time
+        one = slice(e, e + 1)
+        in_kernels = [dequantized_t5x_kernel(quantized[n].part(one), grid)[0] for n in names]
+        out_kernel = dequantized_t5x_kernel(quantized["wo"].part(one), grid)[0]
+        outputs[e] = np.asarray(
+            expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs[e]), jnp.asarray(gates[e]))
+        )
+    return outputs
 
 
 def sort_by_expert(expert: np.ndarray, kept: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
