@@ -3,8 +3,12 @@
 Writes a synthetic switch-base-like checkpoint in the legacy T5X format
 (random bf16 weights; many experts), compresses it with
 ``python -m qmoe_jax.compress`` in a child process, and reports the child's
-peak resident set size (``getrusage(RUSAGE_CHILDREN).ru_maxrss``; RSS, not
-virtual memory, since XLA reserves large virtual ranges). Pass: peak RSS ≤ 1/3
+peak resident set size (RSS, not virtual memory, since XLA reserves large
+virtual ranges). The child is started by a small wrapper process that reports
+its ``getrusage(RUSAGE_CHILDREN).ru_maxrss``: Linux carries a process's RSS at
+fork into its child's ``ru_maxrss``, so forking the compression straight from
+this process, which holds the synthetic weights it wrote, would report this
+process's size instead of the child's. Pass: peak RSS ≤ 1/3
 of the checkpoint's size on disk.
 
     python benchmarks/streaming.py                 # ~7.3 GB checkpoint, GPTQ, default flags
@@ -17,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -53,30 +56,53 @@ def synthetic_params(config, seed: int) -> dict:
     return params
 
 
-def run_sampled(command: list[str]) -> tuple[int, list[tuple[float, str]], list[tuple[float, int]]]:
-    """Runs the child, recording its output lines and its RSS (every 0.2 s) against time,
-    so that the report can say at which stage the peak happened."""
+# Runs argv[1:] and reports its peak RSS; being small, its own size at fork barely counts.
+PEAK_WRAPPER = (
+    "import resource, subprocess, sys\n"
+    "code = subprocess.call(sys.argv[1:])\n"
+    "print('qmoe-peak-rss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, flush=True)\n"
+    "sys.exit(code)\n"
+)
+
+
+def _rss_of_child(wrapper_pid: int) -> int | None:
+    with open(f"/proc/{wrapper_pid}/task/{wrapper_pid}/children") as f:
+        pids = f.read().split()
+    if not pids:
+        return None
+    with open(f"/proc/{pids[0]}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def run_sampled(command: list[str]) -> tuple[int, int, list[tuple[float, str]], list[tuple[float, int]]]:
+    """Runs the command under the peak wrapper. Returns (exit code, peak RSS in bytes, output
+    lines against time, RSS samples against time every 0.2 s, to say at which stage the peak was)."""
     started = time.time()
-    child = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wrapper = subprocess.Popen([sys.executable, "-c", PEAK_WRAPPER, *command], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     samples: list[tuple[float, int]] = []
 
     def sample() -> None:
-        while child.poll() is None:
+        while wrapper.poll() is None:
             try:
-                with open(f"/proc/{child.pid}/status") as f:
-                    rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
-                samples.append((time.time() - started, rss))
+                rss = _rss_of_child(wrapper.pid)
+                if rss is not None:
+                    samples.append((time.time() - started, rss))
             except (OSError, StopIteration):
                 pass
             time.sleep(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    log = [(time.time() - started, line) for line in child.stdout]
-    returncode = child.wait()
+    log, peak = [], 0
+    for line in wrapper.stdout:
+        if line.startswith("qmoe-peak-rss "):
+            peak = int(line.split()[1])
+        else:
+            log.append((time.time() - started, line))
+    returncode = wrapper.wait()
     sampler.join()
-    return returncode, log, samples
+    return returncode, peak, log, samples
 
 
 def directory_bytes(path: str) -> int:
@@ -121,12 +147,11 @@ def main() -> None:
     if args.tokenizer:
         command += ["--tokenizer", args.tokenizer]
     started = time.time()
-    returncode, log, samples = run_sampled(command)
+    returncode, peak, log, samples = run_sampled(command)
     compress_seconds = time.time() - started
     if returncode != 0:
         print("".join(line for _, line in log)[-6000:])
         raise SystemExit(f"compression failed with exit code {returncode}")
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
     peak_time, peak_sampled = max(samples, key=lambda sample: sample[1], default=(0.0, 0))
     peak_stage = next((line.strip() for t, line in reversed(log) if t <= peak_time), "(start-up)")
     print(f"sampled RSS peak {peak_sampled / 2**30:.2f} GiB at {peak_time:.0f}s, after: {peak_stage[:160]}")
