@@ -68,8 +68,8 @@ class ExpertCompressionConfig:
         and the calls as even as possible (fewer distinct shapes to compile)."""
         per_expert = 4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows)
         most = max(1, min(self.group_size, self.gptq_memory // per_expert))
-        calls = -(-experts // most)
-        return -(-experts // calls)
+        calls = max(1, -(-experts // most))
+        return max(1, -(-experts // calls))
 
     def __post_init__(self):
         if self.method not in ("gptq", "rtn"):
