@@ -11,8 +11,12 @@ this process, which holds the synthetic weights it wrote, would report this
 process's size instead of the child's. Pass: peak RSS ≤ 1/3
 of the checkpoint's size on disk.
 
-    python benchmarks/streaming.py                 # ~7.3 GB checkpoint, GPTQ, default flags
-    python benchmarks/streaming.py --quick         # ~0.3 GB, a smoke test of the harness
+    python benchmarks/streaming.py                 # 5.5 GiB checkpoint, GPTQ, default flags (~12 min)
+    python benchmarks/streaming.py --quick         # 0.3 GiB, a smoke test of the harness
+
+The child runs in the work directory and imports whichever qmoe_jax the
+environment gives it (the installed package, or the source tree through
+PYTHONPATH after an in-tree build).
 """
 
 from __future__ import annotations
@@ -74,11 +78,11 @@ def _rss_of_child(wrapper_pid: int) -> int | None:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def run_sampled(command: list[str]) -> tuple[int, int, list[tuple[float, str]], list[tuple[float, int]]]:
+def run_sampled(command: list[str], cwd: str) -> tuple[int, int, list[tuple[float, str]], list[tuple[float, int]]]:
     """Runs the command under the peak wrapper. Returns (exit code, peak RSS in bytes, output
     lines against time, RSS samples against time every 0.2 s, to say at which stage the peak was)."""
     started = time.time()
-    wrapper = subprocess.Popen([sys.executable, "-c", PEAK_WRAPPER, *command], cwd=REPO, stdout=subprocess.PIPE,
+    wrapper = subprocess.Popen([sys.executable, "-c", PEAK_WRAPPER, *command], cwd=cwd, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     samples: list[tuple[float, int]] = []
 
@@ -130,8 +134,14 @@ def main() -> None:
         num_encoder_sparse_layers=args.layers // 2, num_decoder_sparse_layers=args.layers // 2,
         checkpoint_path=None, checkpoint_step=None,
     )
+    args.work_dir = os.path.abspath(args.work_dir)
+    marker = os.path.join(args.work_dir, ".qmoe_streaming_benchmark")
+    if os.path.isdir(args.work_dir) and os.listdir(args.work_dir) and not os.path.exists(marker):
+        raise SystemExit(f"--work_dir {args.work_dir} holds files this benchmark did not make; "
+                         "give a new or empty directory (it is deleted at the end)")
     shutil.rmtree(args.work_dir, ignore_errors=True)
     os.makedirs(args.work_dir)
+    open(marker, "w").close()
     started = time.time()
     checkpoint = write_t5x_checkpoint(os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1)
     checkpoint_bytes = directory_bytes(checkpoint)
@@ -147,7 +157,7 @@ def main() -> None:
     if args.tokenizer:
         command += ["--tokenizer", args.tokenizer]
     started = time.time()
-    returncode, peak, log, samples = run_sampled(command)
+    returncode, peak, log, samples = run_sampled(command, cwd=args.work_dir)
     compress_seconds = time.time() - started
     if returncode != 0:
         print("".join(line for _, line in log)[-6000:])
@@ -173,7 +183,8 @@ def main() -> None:
     print(f"{checkpoint_bytes / 2**30:>12.2f}Gi {peak / 2**30:>8.2f}Gi {peak / checkpoint_bytes:>7.3f} "
           f"{1 / 3:>7.3f} {compress_seconds:>7.0f}s  {result['passed']}")
     os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(REPO, "benchmarks", "results", "streaming.json"), "w") as f:
+    name = "streaming_quick.json" if args.quick else "streaming.json"
+    with open(os.path.join(REPO, "benchmarks", "results", name), "w") as f:
         json.dump(result, f, indent=1)
     if not args.keep:
         shutil.rmtree(args.work_dir)
