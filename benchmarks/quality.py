@@ -15,19 +15,17 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from qmoe_jax import bundled
+from qmoe_jax.checkpoints.compressed_model import load_compressed_model
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.data import Tokenizer
+from qmoe_jax.evaluate import bundled_validation_examples, load_t5x_params, mean_cross_entropy
+from qmoe_jax.models import SwitchTransformer, get_config
 
-from qmoe_jax import bundled  # noqa: E402
-from qmoe_jax.checkpoints.compressed_model import load_compressed_model  # noqa: E402
-from qmoe_jax.compression import CompressionOptions, compress_checkpoint  # noqa: E402
-from qmoe_jax.data import Tokenizer  # noqa: E402
-from qmoe_jax.evaluate import bundled_validation_examples, load_t5x_params, mean_cross_entropy  # noqa: E402
-from qmoe_jax.models import SwitchTransformer, get_config  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The paper's C4 validation losses (QMoE, Frantar & Alistarh 2023), as DESIGN.md §1 quotes them.
 PAPER = {

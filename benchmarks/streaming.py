@@ -34,12 +34,11 @@ import time
 import ml_dtypes
 import numpy as np
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+from qmoe_jax.checkpoints import write_t5x_checkpoint
+from qmoe_jax.evaluate import expected_param_shapes
+from qmoe_jax.models import get_config
 
-from qmoe_jax.checkpoints import write_t5x_checkpoint  # noqa: E402
-from qmoe_jax.evaluate import expected_param_shapes  # noqa: E402
-from qmoe_jax.models import get_config  # noqa: E402
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synthetic_params(config, seed: int) -> dict:
