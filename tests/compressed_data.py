@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from qmoe_jax.codec import CompressedExperts, CompressedMatrix, encode
+from qmoe_jax.codec import CompressedExperts, CompressedMatrix, build_dictionary, encode
+
+# Kernel results against the dense product: float32 sums, or bfloat16 inputs and outputs.
+TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 # The one place that picks the encoder for test data. Tests compare against
 # the dense W built from the ternary codes, so they check the encoding too.
@@ -45,3 +51,20 @@ def with_arrays(w: CompressedMatrix, **arrays) -> CompressedMatrix:
     """A copy of w with some of codes / row_offsets / minmax replaced."""
     fields = dict(codes=w.codes, row_offsets=w.row_offsets, minmax=w.minmax) | arrays
     return CompressedMatrix(fields["codes"], fields["row_offsets"], fields["minmax"], w.cols)
+
+
+@functools.cache
+def cached_matrix(rows: int, cols: int, seed: int = 0):
+    """``matrix`` with the static dictionary, made once per (rows, cols, seed)."""
+    return matrix(np.random.default_rng(seed), build_dictionary(0.885), rows, cols)
+
+
+@functools.cache
+def cached_experts(count: int, rows: int, cols: int, seed: int = 0):
+    """``experts`` with the static dictionary, made once per arguments."""
+    return experts(np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols)
+
+
+def tokens(shape, dtype, seed: int = 1):
+    """Standard normal tokens of ``shape`` in ``dtype``."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)

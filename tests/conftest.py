@@ -22,3 +22,11 @@ def tiny_tokenizer(tmp_path_factory):
 
     prefix = os.path.join(tmp_path_factory.mktemp("spm"), "tiny")
     return Tokenizer(train_sentencepiece(synthetic_sentences(2000), prefix, vocab_size=64, seed_sentencepiece_size=1000))
+
+
+@pytest.fixture(scope="session")
+def dictionary():
+    """QMoE's static dictionary (p0 = 0.885)."""
+    from qmoe_jax.codec import build_dictionary
+
+    return build_dictionary(0.885)

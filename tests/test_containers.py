@@ -4,12 +4,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qmoe_jax.codec import CompressedExperts, CompressedMatrix, build_dictionary, encode, encode_experts
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return build_dictionary(0.885)
+from qmoe_jax.codec import CompressedExperts, CompressedMatrix, encode, encode_experts
 
 
 def ternary(rng, shape, p0):

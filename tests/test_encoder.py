@@ -8,18 +8,12 @@ from qmoe_jax import _qmoe_ext
 from qmoe_jax.codec import (
     CompressedExperts,
     Dictionary,
-    build_dictionary,
     decode_codes,
     encode,
     encode_experts,
     encode_reference,
 )
 from qmoe_jax.codec.dictionary import entry_weights
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return build_dictionary(0.885)
 
 
 def ternary(rng, shape, p0):

@@ -1,6 +1,10 @@
 import functools
 
 import compressed_data
+from compressed_data import TOLERANCE
+from compressed_data import cached_experts as _experts
+from compressed_data import cached_matrix as _matrix
+from compressed_data import tokens as _tokens
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -8,30 +12,8 @@ import numpy as np
 import pytest
 
 from qmoe_jax import ops
-from qmoe_jax.codec import CompressedMatrix, build_dictionary, decode_codes
+from qmoe_jax.codec import CompressedMatrix, decode_codes
 
-TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return build_dictionary(0.885)
-
-
-@functools.cache
-def _matrix(rows, cols, seed=0):
-    return compressed_data.matrix(np.random.default_rng(seed), build_dictionary(0.885), rows, cols)
-
-
-@functools.cache
-def _experts(count, rows, cols, seed=0):
-    return compressed_data.experts(
-        np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols
-    )
-
-
-def _tokens(shape, dtype, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def _assert_close(actual, expected, dtype):

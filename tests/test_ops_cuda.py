@@ -11,6 +11,10 @@ import subprocess
 import textwrap
 
 import compressed_data
+from compressed_data import TOLERANCE
+from compressed_data import cached_experts as _experts
+from compressed_data import cached_matrix as _matrix
+from compressed_data import tokens as _tokens
 import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
@@ -24,7 +28,6 @@ from qmoe_jax import _kernels, ops
 from qmoe_jax.codec import CompressedMatrix, build_dictionary
 
 TARGETS = {"qmoe_matmul", "qmoe_matmul_t", "qmoe_dequantize"}
-TOLERANCE = {jnp.float32: dict(rtol=1e-5, atol=1e-5), jnp.bfloat16: dict(rtol=2e-2, atol=2e-2)}
 
 
 def _skip_reason() -> str | None:
@@ -47,27 +50,6 @@ def test_cuda_targets_registered_iff_built_with_cuda():
     assert ("CUDA" in registrations) == ops.has_cuda_kernels()
     if ops.has_cuda_kernels():
         assert set(registrations["CUDA"]) == TARGETS
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return build_dictionary(0.885)
-
-
-@functools.cache
-def _matrix(rows, cols, seed=0):
-    return compressed_data.matrix(np.random.default_rng(seed), build_dictionary(0.885), rows, cols)
-
-
-@functools.cache
-def _experts(count, rows, cols, seed=0):
-    return compressed_data.experts(
-        np.random.default_rng(seed), build_dictionary(0.885), count, rows, cols
-    )
-
-
-def _tokens(shape, dtype, seed=1):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
 
 
 def _assert_close(actual, expected, dtype):

@@ -7,17 +7,11 @@ from hypothesis import strategies as st
 
 from qmoe_jax.codec import (
     CompressedMatrix,
-    build_dictionary,
     decode_codes,
     decode_codes_jnp,
     encode_experts,
     encode_reference,
 )
-
-
-@pytest.fixture(scope="module")
-def dictionary():
-    return build_dictionary(0.885)
 
 
 def ternary(rng, shape, p0):
