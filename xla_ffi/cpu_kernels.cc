@@ -219,26 +219,22 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
   ParallelFor(pool, w.batch_size * splits, [&](int64_t task) {
     const int64_t b = task / splits;
     const WeightMatrix& matrix = w.matrix_of_batch[b];
-    Scratch& scratch = ThreadScratch();
-    int32_t* plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
-    int32_t* minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+    RowDecoder decoder(w, *kernels);
     const RowRange rows = Split(w.rows, splits, task % splits);
     for (int64_t r = rows.begin; r < rows.end; ++r) {
-      const int32_t begin = matrix.row_offsets[r];
-      int64_t plus_count, minus_count;
-      if (!kernels->row_nonzeros(w.dictionary, matrix.codes + begin,
-                                 matrix.row_offsets[r + 1] - begin, w.padded_cols, plus_index,
-                                 &plus_count, minus_index, &minus_count)) {
+      if (!decoder.Decode(matrix, r)) {
         failure.Record(b * w.rows + r);
         return;
       }
       uint16_t* out = weights->typed_data() + (b * w.rows + r) * cols;
       std::fill(out, out + cols, uint16_t{0});
-      for (int64_t i = 0; i < plus_count; ++i) {
-        if (plus_index[i] < cols) out[plus_index[i]] = matrix.minmax[2 * r + 1];
+      for (int64_t i = 0; i < decoder.plus_count; ++i) {
+        const int32_t j = decoder.plus_index[i];
+        if (j < cols) out[j] = matrix.minmax[2 * r + 1];
       }
-      for (int64_t i = 0; i < minus_count; ++i) {
-        if (minus_index[i] < cols) out[minus_index[i]] = matrix.minmax[2 * r];
+      for (int64_t i = 0; i < decoder.minus_count; ++i) {
+        const int32_t j = decoder.minus_index[i];
+        if (j < cols) out[j] = matrix.minmax[2 * r];
       }
     }
   });

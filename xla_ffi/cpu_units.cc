@@ -133,6 +133,20 @@ Scratch& ThreadScratch() {
   return scratch;
 }
 
+RowDecoder::RowDecoder(const CompressedOperands& w, const RowKernels& kernels)
+    : w_(w), kernels_(kernels) {
+  Scratch& scratch = ThreadScratch();
+  plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
+  minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+}
+
+bool RowDecoder::Decode(const WeightMatrix& matrix, int64_t r) {
+  const int32_t begin = matrix.row_offsets[r];
+  return kernels_.row_nonzeros(w_.dictionary, matrix.codes + begin,
+                               matrix.row_offsets[r + 1] - begin, w_.padded_cols, plus_index,
+                               &plus_count, minus_index, &minus_count);
+}
+
 void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
                 const std::vector<TokenGroup>& groups, const Unit& unit, const float* tokens,
                 RowRange rows, const DenseRows& y, FirstFailure& failure) {
@@ -155,14 +169,9 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
     }
     return;
   }
-  int32_t* plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
-  int32_t* minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+  RowDecoder decoder(w, kernels);
   for (int64_t r = rows.begin; r < rows.end; ++r) {
-    const int32_t begin = matrix.row_offsets[r];
-    int64_t plus_count, minus_count;
-    if (!kernels.row_nonzeros(w.dictionary, matrix.codes + begin,
-                              matrix.row_offsets[r + 1] - begin, w.padded_cols, plus_index,
-                              &plus_count, minus_index, &minus_count)) {
+    if (!decoder.Decode(matrix, r)) {
       failure.Record(unit.group * w.rows + r);
       return;
     }
@@ -170,8 +179,8 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
       const float* token_table = tokens + table * TableSize(w.cols);
       alignas(64) float plus[kTokenLanes];
       alignas(64) float minus[kTokenLanes];
-      kernels.gather_token_rows(token_table, plus_index, plus_count, plus);
-      kernels.gather_token_rows(token_table, minus_index, minus_count, minus);
+      kernels.gather_token_rows(token_table, decoder.plus_index, decoder.plus_count, plus);
+      kernels.gather_token_rows(token_table, decoder.minus_index, decoder.minus_count, minus);
       const int64_t first = table * kTokenLanes;
       for (int64_t t = first; t < std::min(unit.count, first + kTokenLanes); ++t) {
         y.Set(group.out_rows[unit.first + t], r,
@@ -185,15 +194,9 @@ void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
                     const std::vector<TokenGroup>& groups, const Unit& unit,
                     const float* gradient, RowRange rows, float* sums, FirstFailure& failure) {
   const WeightMatrix& matrix = groups[unit.group].matrix;
-  Scratch& scratch = ThreadScratch();
-  int32_t* plus_index = Reserve(scratch.plus, w.padded_cols + kIndexSlack);
-  int32_t* minus_index = Reserve(scratch.minus, w.padded_cols + kIndexSlack);
+  RowDecoder decoder(w, kernels);
   for (int64_t r = rows.begin; r < rows.end; ++r) {
-    const int32_t begin = matrix.row_offsets[r];
-    int64_t plus_count, minus_count;
-    if (!kernels.row_nonzeros(w.dictionary, matrix.codes + begin,
-                              matrix.row_offsets[r + 1] - begin, w.padded_cols, plus_index,
-                              &plus_count, minus_index, &minus_count)) {
+    if (!decoder.Decode(matrix, r)) {
       failure.Record(unit.group * w.rows + r);
       return;
     }
@@ -208,8 +211,8 @@ void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
         minus[t] = row_min * g[t];
       }
       float* table_sums = sums + table * TableSize(w.cols);
-      kernels.scatter_token_rows(table_sums, plus_index, plus_count, plus);
-      kernels.scatter_token_rows(table_sums, minus_index, minus_count, minus);
+      kernels.scatter_token_rows(table_sums, decoder.plus_index, decoder.plus_count, plus);
+      kernels.scatter_token_rows(table_sums, decoder.minus_index, decoder.minus_count, minus);
     }
   }
 }

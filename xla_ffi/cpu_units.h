@@ -83,6 +83,24 @@ T* Reserve(std::vector<T>& buffer, int64_t size) {
   return buffer.data();
 }
 
+// Decodes rows into the columns of their +max and -min weights, in this
+// thread's scratch lists (valid until the thread's next RowDecoder).
+class RowDecoder {
+ public:
+  RowDecoder(const CompressedOperands& w, const RowKernels& kernels);
+  // Row r of `matrix`; false when its codes do not decode to exactly the row's columns.
+  bool Decode(const WeightMatrix& matrix, int64_t r);
+
+  int32_t* plus_index;
+  int32_t* minus_index;
+  int64_t plus_count = 0;
+  int64_t minus_count = 0;
+
+ private:
+  const CompressedOperands& w_;
+  const RowKernels& kernels_;
+};
+
 // y rows of a unit's tokens for W rows in `rows`; a row that fails to decode
 // is recorded as unit.group * w.rows + row.
 void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
