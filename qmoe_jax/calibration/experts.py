@@ -223,6 +223,14 @@ def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, Q
     return outputs
 
 
+def original_expert_outputs(config: SwitchConfig, kernels: dict[str, np.ndarray], expert: int, inputs: np.ndarray,
+                            gates: np.ndarray) -> np.ndarray:
+    """Gated outputs ``[n, d]`` of one expert of the group through its original (T5X float) kernels."""
+    in_kernels = [jnp.asarray(kernels[n][expert], jnp.float32) for n in input_kernel_names(config)]
+    out_kernel = jnp.asarray(kernels["wo"][expert], jnp.float32)
+    return np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs), jnp.asarray(gates)))
+
+
 def sort_by_expert(expert: np.ndarray, kept: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """(order, starts): kept token rows grouped by expert in buffer order; expert e owns order[starts[e]:starts[e+1]]."""
     kept_rows = np.flatnonzero(kept)

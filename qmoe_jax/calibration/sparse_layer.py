@@ -17,7 +17,8 @@ from collections.abc import Callable
 import numpy as np
 
 from qmoe_jax.calibration.experts import (ExpertCompressionConfig, QuantizedKernel, gather_group, group_outputs,
-                                          hessian_token_cap, kernel_names, quantize_kernels, sort_by_expert)
+                                          hessian_token_cap, kernel_names, original_expert_outputs, quantize_kernels,
+                                          sort_by_expert)
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes, encode_experts
 from qmoe_jax.models import SwitchConfig
 
@@ -47,6 +48,28 @@ class LayerResult:
     outputs: np.ndarray
     arrays: dict
     stats: dict
+
+
+class OutputError:
+    """Relative squared error ``Σ‖y_q − y‖² / Σ‖y‖²`` of a layer's gated expert outputs
+    (quantized vs original experts) on its calibration tokens, kept apart for the
+    positions that may feed the Hessians and the premasked ones."""
+
+    def __init__(self):
+        self.sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
+
+    def add(self, quantized: np.ndarray, original: np.ndarray, valid: np.ndarray, premask: np.ndarray) -> None:
+        error = np.square(quantized - original, dtype=np.float64).sum(-1)
+        norm = np.square(original, dtype=np.float64).sum(-1)
+        for side in (True, False):
+            chosen = valid & (premask == side)
+            self.sums[side][0] += float(error[chosen].sum())
+            self.sums[side][1] += float(norm[chosen].sum())
+
+    def relative(self) -> dict:
+        """``{"hessian_positions": …, "premasked_positions": …}``; None where there were no such tokens."""
+        ratio = lambda e, n: e / n if n > 0 else None  # noqa: E731
+        return {"hessian_positions": ratio(*self.sums[True]), "premasked_positions": ratio(*self.sums[False])}
 
 
 def _groups(num_experts: int, group_size: int) -> list[range]:
@@ -94,6 +117,7 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
     stored: dict[str, list] = {n: [] for n in names}
     fallback = np.zeros(config.num_experts, bool)
     seconds = {"read": 0.0, "hessian": 0.0, "gptq": 0.0, "encode": 0.0, "forward": 0.0}
+    error = OutputError()
     dictionary = None
     for experts in _groups(config.num_experts, settings.group_size):
         started = time.perf_counter()
@@ -117,7 +141,10 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
                 stored[name].append({"codes": kernel.codes, "grid_params": kernel.grid_params})
         seconds["encode"] += time.perf_counter() - started
         started = time.perf_counter()
-        _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
+        values, gates = _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
+        for e in range(len(experts)):  # one expert's reference outputs at a time
+            reference = original_expert_outputs(config, kernels, e, inputs[e], gates[e])
+            error.add(values[e], reference, group.valid[e], tokens.premask[group.rows[e]])
         seconds["forward"] += time.perf_counter() - started
         on_group(len(experts))
     arrays = {}
@@ -134,6 +161,7 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         "dictionary": dictionary.fingerprint if dictionary is not None else None,
         "fallback_experts": int(fallback.sum()),
         "fallback": np.flatnonzero(fallback).tolist(),
+        "output_error": error.relative(),
         "tokens_per_expert": {"min": int(counts.min()), "mean": float(counts.mean()), "max": int(counts.max())},
         "hessian_token_cap": cap,
         "tokens": int(tokens.expert.size),
@@ -169,7 +197,9 @@ def _cols(config: SwitchConfig, kernel: str) -> int:
     return config.d_ff if kernel == "wo" else config.d_model
 
 
-def _write_outputs(config, settings, quantized, tokens: LayerTokens, group, inputs, outputs) -> None:
+def _write_outputs(config, settings, quantized, tokens: LayerTokens, group, inputs, outputs):
+    """Writes the group's gated outputs into ``outputs``; returns them ``[g, n, d]`` and the gates ``[g, n]``."""
     gates = np.where(group.valid, tokens.gate[group.rows], 0.0).astype(np.float32)
     values = group_outputs(config, settings.grid, quantized, inputs, gates)
     outputs[group.rows[group.valid]] = values[group.valid]
+    return values, gates

@@ -101,18 +101,37 @@ def batch_examples(
     }
 
 
-def hessian_masks(batch: dict[str, np.ndarray], tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """QMoE's premasking: which token positions feed Hessians (DESIGN.md §5).
+PREMASKS = ("encoder", "encoder_decoder", "none")
 
-    Encoder positions holding a sentinel and decoder positions whose target is a
-    sentinel are dropped, as is padding. These masks apply to Hessian inputs
-    only; every token still flows through the (quantized) model.
+
+def hessian_masks(batch: dict[str, np.ndarray], tokenizer: Tokenizer,
+                  premask: str = "encoder") -> tuple[np.ndarray, np.ndarray]:
+    """Premasking: which token positions feed Hessians (DESIGN.md §5).
+
+    Padding never does. Beyond that, ``premask`` drops:
+
+    - "encoder": encoder positions holding a sentinel.
+    - "encoder_decoder": those, and decoder positions whose target (the next
+      token) is a sentinel. This is QMoE's mask (``switch.py``).
+    - "none": nothing.
+
+    The masks apply to Hessian inputs only; every token still flows through the
+    (quantized) model. On the bundled model the decoder part of QMoE's mask
+    hurts: GPTQ never sees the quarter of decoder positions that predict a
+    sentinel, leaves their expert outputs worse than RTN does, and the loss on
+    the other targets rises almost as much as with RTN (README, Measured).
 
     Returns:
       (encoder_mask bool[B, Le], decoder_mask bool[B, Ld]).
     """
+    if premask not in PREMASKS:
+        raise ValueError(f"unknown premask {premask!r}; choose one of {', '.join(PREMASKS)}")
     encoder = batch["encoder_input_tokens"]
     targets = batch["decoder_target_tokens"]
-    encoder_mask = (encoder != PAD_ID) & ~tokenizer.is_sentinel(encoder)
-    decoder_mask = (targets != PAD_ID) & ~tokenizer.is_sentinel(targets)
+    encoder_mask = encoder != PAD_ID
+    decoder_mask = targets != PAD_ID
+    if premask != "none":
+        encoder_mask &= ~tokenizer.is_sentinel(encoder)
+    if premask == "encoder_decoder":
+        decoder_mask &= ~tokenizer.is_sentinel(targets)
     return encoder_mask, decoder_mask
