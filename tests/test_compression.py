@@ -11,9 +11,9 @@ from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
 from qmoe_jax.checkpoints.compressed_model import load_compressed_model
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
-from qmoe_jax.report import summary_table
 from qmoe_jax.evaluate import mean_cross_entropy
 from qmoe_jax.models import SwitchTransformer
+from qmoe_jax.report import summary_table
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,6 @@ def test_rtn_and_kbit(tiny_setup, tmp_path):
 RUNNER = """
 from switch_fixtures import TINY
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
-from qmoe_jax.report import summary_table
 options = CompressionOptions(**{options!r})
 compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=False, config=TINY)
 """

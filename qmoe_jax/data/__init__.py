@@ -1,8 +1,8 @@
 """Calibration and evaluation data: sources, tokenizer, T5 span corruption, batching, premasking."""
 
+from qmoe_jax.data.pipeline import PREMASKS as PREMASKS
 from qmoe_jax.data.pipeline import SpanCorruptionConfig as SpanCorruptionConfig
 from qmoe_jax.data.pipeline import batch_examples as batch_examples
-from qmoe_jax.data.pipeline import PREMASKS as PREMASKS
 from qmoe_jax.data.pipeline import hessian_masks as hessian_masks
 from qmoe_jax.data.pipeline import span_corruption_examples as span_corruption_examples
 from qmoe_jax.data.pipeline import token_chunks as token_chunks
