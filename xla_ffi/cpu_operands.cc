@@ -11,30 +11,12 @@ namespace {
 
 std::string Prefix(const char* op) { return std::string(op) + ": "; }
 
-// " of batch index 3" where the call has leading dims, else "".
-std::string OfBatch(const std::vector<int64_t>& batch, int64_t index) {
-  if (batch.empty()) return "";
-  return " of batch index " + std::to_string(index) + " (of leading dims " +
-         ShapeString(Dims(batch.data(), batch.size())) + ")";
-}
-
-// Checks that `dims` is [B'..., trailing...] with B' broadcasting to `batch`
-// (same rank, each dim equal or 1) and the trailing dims as given (-1: any);
-// sets the flat operand batch index of each result batch index.
+// CheckBroadcastShape, then the flat operand batch index of each result batch index.
 ffi::Error CheckOperand(const char* op, const char* name, Dims dims, const std::string& expected,
                         const std::vector<int64_t>& batch, const std::vector<int64_t>& trailing,
                         std::vector<int64_t>* index) {
-  const size_t rank = batch.size() + trailing.size();
-  bool ok = dims.size() == rank;
-  for (size_t i = 0; ok && i < batch.size(); ++i) ok = dims[i] == batch[i] || dims[i] == 1;
-  for (size_t i = 0; ok && i < trailing.size(); ++i) {
-    ok = trailing[i] < 0 || dims[batch.size() + i] == trailing[i];
-  }
-  if (!ok) {
-    return ffi::Error::InvalidArgument(
-        Prefix(op) + name + " must have shape " + expected + " with B... = " +
-        ShapeString(Dims(batch.data(), batch.size())) + " (each leading dim equal or 1); got " +
-        ShapeString(dims));
+  if (auto error = CheckBroadcastShape(op, name, dims, expected, batch, trailing); error.failure()) {
+    return error;
   }
   int64_t size = 1;
   for (int64_t dim : batch) size *= dim;
@@ -52,18 +34,6 @@ ffi::Error CheckOperand(const char* op, const char* name, Dims dims, const std::
     (*index)[flat] = operand_flat;
   }
   return ffi::Error::Success();
-}
-
-// Dictionary forms carry no batch: [1..., 65536, width].
-ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
-                               const char* source) {
-  bool ok = dims.size() >= 2 && dims[dims.size() - 2] == kDictionaryEntries &&
-            dims[dims.size() - 1] == width;
-  for (size_t i = 0; ok && i + 2 < dims.size(); ++i) ok = dims[i] == 1;
-  if (ok) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(Prefix(op) + name + " must have shape [65536, " +
-                                     std::to_string(width) + "] (" + source + "); got " +
-                                     ShapeString(dims));
 }
 
 ffi::Error CheckRowOffsets(const char* op, const int32_t* offsets, int64_t rows, int64_t n_codes,
@@ -98,6 +68,39 @@ std::string ShapeString(Dims dims) {
   for (size_t i = 0; i < dims.size(); ++i) out << (i ? ", " : "") << dims[i];
   out << "]";
   return out.str();
+}
+
+std::string OfBatch(const std::vector<int64_t>& batch, int64_t index) {
+  if (batch.empty()) return "";
+  return " of batch index " + std::to_string(index) + " (of leading dims " +
+         ShapeString(Dims(batch.data(), batch.size())) + ")";
+}
+
+ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
+                               const char* source) {
+  bool ok = dims.size() >= 2 && dims[dims.size() - 2] == kDictionaryEntries &&
+            dims[dims.size() - 1] == width;
+  for (size_t i = 0; ok && i + 2 < dims.size(); ++i) ok = dims[i] == 1;
+  if (ok) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(Prefix(op) + name + " must have shape [65536, " +
+                                     std::to_string(width) + "] (" + source + "); got " +
+                                     ShapeString(dims));
+}
+
+ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
+                               const std::string& expected, const std::vector<int64_t>& batch,
+                               const std::vector<int64_t>& trailing) {
+  const size_t rank = batch.size() + trailing.size();
+  bool ok = dims.size() == rank;
+  for (size_t i = 0; ok && i < batch.size(); ++i) ok = dims[i] == batch[i] || dims[i] == 1;
+  for (size_t i = 0; ok && i < trailing.size(); ++i) {
+    ok = trailing[i] < 0 || dims[batch.size() + i] == trailing[i];
+  }
+  if (ok) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      Prefix(op) + name + " must have shape " + expected + " with B... = " +
+      ShapeString(Dims(batch.data(), batch.size())) + " (each leading dim equal or 1); got " +
+      ShapeString(dims));
 }
 
 ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,

@@ -67,6 +67,22 @@ std::vector<TokenGroup> GroupTokens(const CompressedOperands& operands,
 xla::ffi::Error BadRowError(const char* op, const CompressedOperands& operands,
                             const WeightMatrix& matrix, int64_t row);
 
+// Host-side shape checks, shared with the CUDA handlers (cuda_operands.cc,
+// cuda_validate.cc), so that both platforms word their errors alike.
+
 std::string ShapeString(Dims dims);
+
+// " of batch index 3 (of leading dims [4, 2])" where the call has leading dims, else "".
+std::string OfBatch(const std::vector<int64_t>& batch, int64_t index);
+
+// Dictionary forms carry no batch: [1..., 65536, width].
+xla::ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
+                                    const char* source);
+
+// Checks that `dims` is [B'..., trailing...] with B' broadcasting to `batch`
+// (same rank, each dim equal or 1) and the trailing dims as given (-1: any).
+xla::ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
+                                    const std::string& expected, const std::vector<int64_t>& batch,
+                                    const std::vector<int64_t>& trailing);
 
 }  // namespace qmoe::cpu

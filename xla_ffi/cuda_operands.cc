@@ -12,6 +12,7 @@ namespace qmoe::cuda {
 namespace {
 
 using Dims = ffi::Span<const int64_t>;
+using cpu::CheckDictionaryForm;
 using cpu::ShapeString;
 
 std::string Prefix(const char* op) { return std::string(op) + ": "; }
@@ -20,35 +21,16 @@ std::string VectorString(const std::vector<int64_t>& dims) {
   return ShapeString(Dims(dims.data(), dims.size()));
 }
 
-// Dictionary forms carry no batch: [1..., 65536, width].
-ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
-                               const char* source) {
-  bool ok = dims.size() >= 2 && dims[dims.size() - 2] == kDictionaryEntries &&
-            dims[dims.size() - 1] == width;
-  for (size_t i = 0; ok && i + 2 < dims.size(); ++i) ok = dims[i] == 1;
-  if (ok) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(Prefix(op) + name + " must have shape [65536, " +
-                                     std::to_string(width) + "] (" + source + "); got " +
-                                     ShapeString(dims));
-}
-
-// Checks that `dims` is [B'..., trailing...] with B' broadcasting to `batch`
-// (same rank, each dim equal or 1) and the trailing dims as given (-1: any);
-// sets the operand's element stride along each batch dim (0 where it broadcasts).
+// cpu::CheckBroadcastShape, then the operand's element stride along each batch
+// dim (0 where it broadcasts).
 ffi::Error CheckLeading(const char* op, const char* name, Dims dims, const std::string& expected,
                         const std::vector<int64_t>& batch, const std::vector<int64_t>& trailing,
                         std::vector<int64_t>* strides) {
+  if (auto error = cpu::CheckBroadcastShape(op, name, dims, expected, batch, trailing);
+      error.failure()) {
+    return error;
+  }
   const size_t rank = batch.size() + trailing.size();
-  bool ok = dims.size() == rank;
-  for (size_t i = 0; ok && i < batch.size(); ++i) ok = dims[i] == batch[i] || dims[i] == 1;
-  for (size_t i = 0; ok && i < trailing.size(); ++i) {
-    ok = trailing[i] < 0 || dims[batch.size() + i] == trailing[i];
-  }
-  if (!ok) {
-    return ffi::Error::InvalidArgument(Prefix(op) + name + " must have shape " + expected +
-                                       " with B... = " + VectorString(batch) +
-                                       " (each leading dim equal or 1); got " + ShapeString(dims));
-  }
   int64_t stride = 1;
   for (size_t i = batch.size(); i < rank; ++i) stride *= dims[i];
   strides->assign(batch.size(), 0);

@@ -13,12 +13,7 @@ namespace {
 
 std::string Prefix(const char* op) { return std::string(op) + ": "; }
 
-// " of batch index 3 (of leading dims [4, 2])" where the call has leading dims, else "".
-std::string OfBatch(const std::vector<int64_t>& batch, int64_t index) {
-  if (batch.empty()) return "";
-  return " of batch index " + std::to_string(index) + " (of leading dims " +
-         cpu::ShapeString(ffi::Span<const int64_t>(batch.data(), batch.size())) + ")";
-}
+using cpu::OfBatch;
 
 ffi::Error CudaFailure(const char* op, const char* what, cudaError_t status) {
   return ffi::Error::Internal(Prefix(op) + what + " failed: " + cudaGetErrorName(status) + " (" +
