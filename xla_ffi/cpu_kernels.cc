@@ -21,12 +21,6 @@ constexpr const char* kMatmul = "qmoe_matmul";
 constexpr const char* kMatmulTransposed = "qmoe_matmul_t";
 constexpr const char* kDequantize = "qmoe_dequantize";
 
-ffi::Error CheckFloat(const char* op, const char* name, ffi::DataType type) {
-  if (type == ffi::DataType::F32 || type == ffi::DataType::BF16) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(std::string(op) + ": " + name +
-                                     " must be float32 or bfloat16");
-}
-
 ffi::Error FailureError(const char* op, const CompressedOperands& w,
                         const std::vector<TokenGroup>& groups, const FirstFailure& failure) {
   const int64_t index = failure.index();
@@ -37,14 +31,12 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
                       ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
                       ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
                       ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
-  if (auto error = CheckFloat(kMatmul, "x", x.element_type()); error.failure()) return error;
   const Dims y_dims = y->dimensions();
   const Dims x_dims = x.dimensions();
-  if (y->element_type() != x.element_type() || y_dims.size() < 2 ||
-      x_dims.size() != y_dims.size()) {
-    return ffi::Error::InvalidArgument(
-        std::string(kMatmul) + ": x [B..., N, cols] and y [B..., N, rows] must share rank and "
-        "dtype; got x " + ShapeString(x_dims) + ", y " + ShapeString(y_dims));
+  if (auto error = CheckDenseArgs(kMatmul, {"x", x.element_type(), x_dims, "cols"},
+                                  {"y", y->element_type(), y_dims, "rows"});
+      error.failure()) {
+    return error;
   }
   const Dims batch(y_dims.begin(), y_dims.size() - 2);
   const int64_t tokens = y_dims[y_dims.size() - 2];
@@ -104,14 +96,12 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
                                 ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = kMatmulTransposed;
-  if (auto error = CheckFloat(op, "g", g.element_type()); error.failure()) return error;
   const Dims dx_dims = dx->dimensions();
   const Dims g_dims = g.dimensions();
-  if (dx->element_type() != g.element_type() || dx_dims.size() < 2 ||
-      g_dims.size() != dx_dims.size()) {
-    return ffi::Error::InvalidArgument(
-        std::string(op) + ": g [B..., N, rows] and dx [B..., N, cols] must share rank and "
-        "dtype; got g " + ShapeString(g_dims) + ", dx " + ShapeString(dx_dims));
+  if (auto error = CheckDenseArgs(op, {"g", g.element_type(), g_dims, "rows"},
+                                  {"dx", dx->element_type(), dx_dims, "cols"});
+      error.failure()) {
+    return error;
   }
   const Dims batch(dx_dims.begin(), dx_dims.size() - 2);
   const int64_t tokens = dx_dims[dx_dims.size() - 2];
@@ -193,12 +183,7 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
                           ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
                           int64_t cols, ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
   const Dims dims = weights->dimensions();
-  if (dims.size() < 2 || dims.back() != cols) {
-    return ffi::Error::InvalidArgument(std::string(kDequantize) +
-                                       ": the result must have shape [B..., rows, cols] with "
-                                       "cols = " + std::to_string(cols) + "; got " +
-                                       ShapeString(dims));
-  }
+  if (auto error = CheckDequantizeResult(kDequantize, dims, cols); error.failure()) return error;
   CompressedOperands w;
   if (auto error = CheckCompressed(kDequantize, masks, slots, codes, row_offsets, minmax,
                                    Dims(dims.begin(), dims.size() - 2), cols, &w);

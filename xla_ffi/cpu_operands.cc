@@ -87,6 +87,26 @@ ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int6
                                      ShapeString(dims));
 }
 
+ffi::Error CheckDenseArgs(const char* op, const DenseArg& in, const DenseArg& out) {
+  if (in.type != ffi::DataType::F32 && in.type != ffi::DataType::BF16) {
+    return ffi::Error::InvalidArgument(Prefix(op) + in.name + " must be float32 or bfloat16");
+  }
+  if (out.type != in.type || out.dims.size() < 2 || in.dims.size() != out.dims.size()) {
+    return ffi::Error::InvalidArgument(
+        Prefix(op) + in.name + " [B..., N, " + in.width + "] and " + out.name + " [B..., N, " +
+        out.width + "] must share rank and dtype; got " + in.name + " " + ShapeString(in.dims) +
+        ", " + out.name + " " + ShapeString(out.dims));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckDequantizeResult(const char* op, Dims dims, int64_t cols) {
+  if (dims.size() >= 2 && dims.back() == cols) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(Prefix(op) +
+                                     "the result must have shape [B..., rows, cols] with cols = " +
+                                     std::to_string(cols) + "; got " + ShapeString(dims));
+}
+
 ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
                                const std::string& expected, const std::vector<int64_t>& batch,
                                const std::vector<int64_t>& trailing) {

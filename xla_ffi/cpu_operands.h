@@ -79,6 +79,22 @@ std::string OfBatch(const std::vector<int64_t>& batch, int64_t index);
 xla::ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
                                     const char* source);
 
+// The dense operand or result of matmul / matmul_t: its name, dtype, dims and
+// what its last dim is ("cols" or "rows"), for messages.
+struct DenseArg {
+  const char* name;
+  xla::ffi::DataType type;
+  Dims dims;
+  const char* width;
+};
+
+// The dense operand `in` is float32 or bfloat16, and the result `out` has its
+// dtype and rank ([B..., N, width], rank >= 2).
+xla::ffi::Error CheckDenseArgs(const char* op, const DenseArg& in, const DenseArg& out);
+
+// dequantize's result is [B..., rows, cols] with the `cols` attribute.
+xla::ffi::Error CheckDequantizeResult(const char* op, Dims dims, int64_t cols);
+
 // Checks that `dims` is [B'..., trailing...] with B' broadcasting to `batch`
 // (same rank, each dim equal or 1) and the trailing dims as given (-1: any).
 xla::ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
