@@ -11,16 +11,13 @@ namespace {
 
 std::string Prefix(const char* op) { return std::string(op) + ": "; }
 
-// CheckBroadcastShape, then the flat operand batch index of each result batch index.
-ffi::Error CheckOperand(const char* op, const char* name, Dims dims, const std::string& expected,
-                        const std::vector<int64_t>& batch, const std::vector<int64_t>& trailing,
-                        std::vector<int64_t>* index) {
-  if (auto error = CheckBroadcastShape(op, name, dims, expected, batch, trailing); error.failure()) {
-    return error;
-  }
+// The flat operand batch index of each result batch index, for an operand
+// whose leading dims (checked by CheckBroadcastShape) broadcast to `batch`.
+std::vector<int64_t> BatchIndex(Dims dims, const std::vector<int64_t>& batch) {
+  std::vector<int64_t> index;
   int64_t size = 1;
   for (int64_t dim : batch) size *= dim;
-  index->assign(size, 0);
+  index.assign(size, 0);
   for (int64_t flat = 0; flat < size; ++flat) {
     int64_t remainder = flat;
     int64_t operand_flat = 0;
@@ -31,9 +28,9 @@ ffi::Error CheckOperand(const char* op, const char* name, Dims dims, const std::
       if (dims[i] != 1) operand_flat += coordinate * stride;
       stride *= dims[i];
     }
-    (*index)[flat] = operand_flat;
+    index[flat] = operand_flat;
   }
-  return ffi::Error::Success();
+  return index;
 }
 
 ffi::Error CheckRowOffsets(const char* op, const int32_t* offsets, int64_t rows, int64_t n_codes,
@@ -123,10 +120,10 @@ ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
       ShapeString(dims));
 }
 
-ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
-                           ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
-                           ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t cols,
-                           CompressedOperands* operands) {
+ffi::Error CheckCompressedShapes(const char* op, ffi::Buffer<ffi::U32> masks,
+                                 ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
+                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                                 const std::vector<int64_t>& batch, int64_t cols, int64_t* rows) {
   if (auto error = CheckDictionaryForm(op, "masks", masks.dimensions(), 2, "Dictionary.masks");
       error.failure()) {
     return error;
@@ -136,34 +133,50 @@ ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buf
       error.failure()) {
     return error;
   }
-  operands->batch.assign(batch.begin(), batch.end());
-  const std::vector<int64_t>& leading = operands->batch;
   const Dims minmax_dims = minmax.dimensions();
-  if (minmax_dims.size() != leading.size() + 2) {
-    return ffi::Error::InvalidArgument(Prefix(op) + "minmax must have shape [B..., rows, 2] with B... = " +
-                                       ShapeString(batch) + "; got " + ShapeString(minmax_dims));
+  if (minmax_dims.size() != batch.size() + 2) {
+    return ffi::Error::InvalidArgument(
+        Prefix(op) + "minmax must have shape [B..., rows, 2] with B... = " +
+        ShapeString(Dims(batch.data(), batch.size())) + "; got " + ShapeString(minmax_dims));
   }
-  const int64_t rows = minmax_dims[leading.size()];
-  std::vector<int64_t> codes_index, offsets_index, minmax_index;
-  if (auto error = CheckOperand(op, "minmax", minmax_dims, "[B..., rows, 2]", leading, {rows, 2},
-                                &minmax_index);
+  *rows = minmax_dims[batch.size()];
+  if (auto error = CheckBroadcastShape(op, "minmax", minmax_dims, "[B..., rows, 2]", batch,
+                                       {*rows, 2});
       error.failure()) {
     return error;
   }
-  if (auto error = CheckOperand(op, "codes", codes.dimensions(), "[B..., n_codes]", leading, {-1},
-                                &codes_index);
+  if (auto error = CheckBroadcastShape(op, "codes", codes.dimensions(), "[B..., n_codes]", batch,
+                                       {-1});
       error.failure()) {
     return error;
   }
-  if (auto error = CheckOperand(op, "row_offsets", row_offsets.dimensions(),
-                                "[B..., rows + 1] with rows = " + std::to_string(rows), leading,
-                                {rows + 1}, &offsets_index);
+  if (auto error = CheckBroadcastShape(op, "row_offsets", row_offsets.dimensions(),
+                                       "[B..., rows + 1] with rows = " + std::to_string(*rows),
+                                       batch, {*rows + 1});
       error.failure()) {
     return error;
   }
   if (cols < 0) {
     return ffi::Error::InvalidArgument(Prefix(op) + "cols must be >= 0, got " + std::to_string(cols));
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
+                           ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                           ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t cols,
+                           CompressedOperands* operands) {
+  operands->batch.assign(batch.begin(), batch.end());
+  const std::vector<int64_t>& leading = operands->batch;
+  int64_t rows = 0;
+  if (auto error = CheckCompressedShapes(op, masks, slots, codes, row_offsets, minmax, leading,
+                                         cols, &rows);
+      error.failure()) {
+    return error;
+  }
+  const std::vector<int64_t> minmax_index = BatchIndex(minmax.dimensions(), leading);
+  const std::vector<int64_t> codes_index = BatchIndex(codes.dimensions(), leading);
+  const std::vector<int64_t> offsets_index = BatchIndex(row_offsets.dimensions(), leading);
   const int64_t n_codes = codes.dimensions().back();
   const int64_t offsets_matrices = row_offsets.element_count() / (rows + 1);
   for (int64_t index = 0; index < offsets_matrices; ++index) {
@@ -192,9 +205,14 @@ ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buf
 ffi::Error CheckDense(const char* op, const char* name, Dims dims,
                       const std::vector<int64_t>& batch, int64_t tokens, int64_t width,
                       std::vector<int64_t>* in_batch_index) {
-  return CheckOperand(op, name, dims, "[B..., " + std::to_string(tokens) + ", " +
-                                          std::to_string(width) + "]",
-                      batch, {tokens, width}, in_batch_index);
+  if (auto error = CheckBroadcastShape(
+          op, name, dims, "[B..., " + std::to_string(tokens) + ", " + std::to_string(width) + "]",
+          batch, {tokens, width});
+      error.failure()) {
+    return error;
+  }
+  *in_batch_index = BatchIndex(dims, batch);
+  return ffi::Error::Success();
 }
 
 std::vector<TokenGroup> GroupTokens(const CompressedOperands& operands,

@@ -95,6 +95,17 @@ xla::ffi::Error CheckDenseArgs(const char* op, const DenseArg& in, const DenseAr
 // dequantize's result is [B..., rows, cols] with the `cols` attribute.
 xla::ffi::Error CheckDequantizeResult(const char* op, Dims dims, int64_t cols);
 
+// Checks the shapes of masks, slots, minmax [B'..., rows, 2], codes
+// [B'..., n_codes] and row_offsets [B'..., rows + 1] (each B' broadcasting to
+// `batch`) and that cols >= 0; sets `rows`. Nothing is read from the buffers.
+xla::ffi::Error CheckCompressedShapes(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
+                                      xla::ffi::Buffer<xla::ffi::U8> slots,
+                                      xla::ffi::Buffer<xla::ffi::U16> codes,
+                                      xla::ffi::Buffer<xla::ffi::S32> row_offsets,
+                                      xla::ffi::Buffer<xla::ffi::BF16> minmax,
+                                      const std::vector<int64_t>& batch, int64_t cols,
+                                      int64_t* rows);
+
 // Checks that `dims` is [B'..., trailing...] with B' broadcasting to `batch`
 // (same rank, each dim equal or 1) and the trailing dims as given (-1: any).
 xla::ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,

@@ -4,7 +4,6 @@
 #include <string>
 
 #include "cpu_operands.h"
-#include "qmoe_format.h"
 
 namespace ffi = xla::ffi;
 
@@ -12,7 +11,6 @@ namespace qmoe::cuda {
 namespace {
 
 using Dims = ffi::Span<const int64_t>;
-using cpu::CheckDictionaryForm;
 using cpu::ShapeString;
 
 std::string Prefix(const char* op) { return std::string(op) + ": "; }
@@ -21,24 +19,17 @@ std::string VectorString(const std::vector<int64_t>& dims) {
   return ShapeString(Dims(dims.data(), dims.size()));
 }
 
-// cpu::CheckBroadcastShape, then the operand's element stride along each batch
-// dim (0 where it broadcasts).
-ffi::Error CheckLeading(const char* op, const char* name, Dims dims, const std::string& expected,
-                        const std::vector<int64_t>& batch, const std::vector<int64_t>& trailing,
-                        std::vector<int64_t>* strides) {
-  if (auto error = cpu::CheckBroadcastShape(op, name, dims, expected, batch, trailing);
-      error.failure()) {
-    return error;
-  }
-  const size_t rank = batch.size() + trailing.size();
+// The element stride of an operand [B'..., trailing...] along each dim of B'
+// (0 where it broadcasts); the shape was checked by cpu::CheckBroadcastShape.
+std::vector<int64_t> BatchStrides(Dims dims, size_t batch_rank) {
   int64_t stride = 1;
-  for (size_t i = batch.size(); i < rank; ++i) stride *= dims[i];
-  strides->assign(batch.size(), 0);
-  for (size_t i = batch.size(); i-- > 0;) {
-    (*strides)[i] = dims[i] == 1 ? 0 : stride;
+  for (size_t i = batch_rank; i < dims.size(); ++i) stride *= dims[i];
+  std::vector<int64_t> strides(batch_rank, 0);
+  for (size_t i = batch_rank; i-- > 0;) {
+    strides[i] = dims[i] == 1 ? 0 : stride;
     stride *= dims[i];
   }
-  return ffi::Error::Success();
+  return strides;
 }
 
 }  // namespace
@@ -47,59 +38,33 @@ ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffe
                          ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
                          ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t tokens, int64_t cols,
                          const DenseOperand* dense, Layout* layout) {
-  if (auto error = CheckDictionaryForm(op, "masks", masks.dimensions(), 2, "Dictionary.masks");
-      error.failure()) {
-    return error;
-  }
-  if (auto error = CheckDictionaryForm(op, "slots", slots.dimensions(), kSlotBytes,
-                                       "the sparse dictionary form of qmoe_jax.ops");
-      error.failure()) {
-    return error;
-  }
   const std::vector<int64_t> leading(batch.begin(), batch.end());
-  const Dims minmax_dims = minmax.dimensions();
-  if (minmax_dims.size() != leading.size() + 2) {
-    return ffi::Error::InvalidArgument(Prefix(op) +
-                                       "minmax must have shape [B..., rows, 2] with B... = " +
-                                       VectorString(leading) + "; got " + ShapeString(minmax_dims));
-  }
-  const int64_t rows = minmax_dims[leading.size()];
-  std::vector<int64_t> codes_strides, offsets_strides, minmax_strides, dense_strides;
-  if (auto error = CheckLeading(op, "minmax", minmax_dims, "[B..., rows, 2]", leading, {rows, 2},
-                                &minmax_strides);
+  int64_t rows = 0;
+  if (auto error = cpu::CheckCompressedShapes(op, masks, slots, codes, row_offsets, minmax, leading,
+                                              cols, &rows);
       error.failure()) {
     return error;
-  }
-  if (auto error = CheckLeading(op, "codes", codes.dimensions(), "[B..., n_codes]", leading, {-1},
-                                &codes_strides);
-      error.failure()) {
-    return error;
-  }
-  if (auto error = CheckLeading(op, "row_offsets", row_offsets.dimensions(),
-                                "[B..., rows + 1] with rows = " + std::to_string(rows), leading,
-                                {rows + 1}, &offsets_strides);
-      error.failure()) {
-    return error;
-  }
-  if (cols < 0) {
-    return ffi::Error::InvalidArgument(Prefix(op) + "cols must be >= 0, got " +
-                                       std::to_string(cols));
   }
   if (cols > kMaxCols || rows >= std::numeric_limits<int32_t>::max()) {
     return ffi::Error::InvalidArgument(
         Prefix(op) + "W[" + std::to_string(rows) + ", " + std::to_string(cols) +
         "] is too large for the CUDA kernels (at most 2^30 columns and 2^31 - 2 rows)");
   }
-  dense_strides.assign(leading.size(), 0);
+  const std::vector<int64_t> codes_strides = BatchStrides(codes.dimensions(), leading.size());
+  const std::vector<int64_t> offsets_strides =
+      BatchStrides(row_offsets.dimensions(), leading.size());
+  const std::vector<int64_t> minmax_strides = BatchStrides(minmax.dimensions(), leading.size());
+  std::vector<int64_t> dense_strides(leading.size(), 0);
   if (dense != nullptr) {
     const int64_t width = dense->width_is_rows ? rows : cols;
-    if (auto error = CheckLeading(op, dense->name, dense->dims,
-                                  "[B..., " + std::to_string(tokens) + ", " +
-                                      std::to_string(width) + "]",
-                                  leading, {tokens, width}, &dense_strides);
+    if (auto error = cpu::CheckBroadcastShape(op, dense->name, dense->dims,
+                                              "[B..., " + std::to_string(tokens) + ", " +
+                                                  std::to_string(width) + "]",
+                                              leading, {tokens, width});
         error.failure()) {
       return error;
     }
+    dense_strides = BatchStrides(dense->dims, leading.size());
   }
 
   // Fold trailing leading dims over which the matrix is broadcast into the tokens.
