@@ -25,7 +25,7 @@ def model_dir() -> str:
     here = os.path.dirname(os.path.abspath(__file__))
     candidates = [
         os.path.join(here, "bundled", CONFIG_NAME),
-        os.path.join(os.path.dirname(here), "checkpoints", CONFIG_NAME),
+        os.path.join(os.path.dirname(os.path.dirname(here)), "checkpoints", CONFIG_NAME),
     ]
     for candidate in candidates:
         if os.path.isdir(candidate):
