@@ -9,7 +9,7 @@ the tuned one (`tuned_dictionary`), chosen once per P(0) on an independent
 
 Rates are vs bf16 (16 bits per weight):
   codes only     16·weights / (16·n_codes)
-  with metadata  16·weights / (16·n_codes + 64·rows)   (row offset + min/max, DESIGN.md §4)
+  with metadata  16·weights / (16·n_codes + 64·rows)   (row offset + min/max, docs/format.md §7)
   Shannon        16 / H(P(0)), H = entropy per weight of the i.i.d. source.
 Throughput is weights per second of `encode`, best of --repeats, on one
 thread and on all cores, per wall second and per CPU second of the process

@@ -44,7 +44,7 @@ def _mlp(rng, dtype, sparse):
 
 
 def switch_tree(seed=0, dtype=np.float32):
-    """A 2+2-layer Switch param tree with the real T5X names (DESIGN.md §5); layers_1 is sparse."""
+    """A 2+2-layer Switch param tree with the real T5X names (docs/t5x.md §2); layers_1 is sparse."""
     rng = np.random.default_rng(seed)
     scale = lambda: {"scale": rng.normal(size=(D,)).astype(dtype)}
     encoder = {"relpos_bias": {"rel_embedding": rng.normal(size=(H, 32)).astype(dtype)}, "encoder_norm": scale()}

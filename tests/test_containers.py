@@ -21,7 +21,7 @@ def test_bits_per_weight_of_a_matrix(dictionary):
     )
     n_codes = int(encoded.row_offsets[-1])
     assert encoded.n_codes == n_codes == encoded.codes.shape[0]
-    # DESIGN.md §4: 16 bits per codeword, 64 bits per row (offset + min/max).
+    # docs/format.md §7: 16 bits per codeword, 64 bits per row (offset + min/max).
     assert encoded.bits_per_weight() == pytest.approx((16 * n_codes + 64 * rows) / (rows * cols))
 
 

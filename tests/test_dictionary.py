@@ -7,7 +7,7 @@ from qmoe_jax.codec.dictionary import Dictionary, entry_weights, masks_from_entr
 # SHA-256 of the entries produced by the QMoE authors' generator (sub1.py,
 # setup()) at ZEROS = .885, computed independently of this package.
 AUTHORS_FINGERPRINT_0885 = "c09862c453fe122634070a475357ff81a679aff65829d84a56f806c02a54ed45"
-# DESIGN.md §4: entry-length histogram by pair count 1..14 at p0 = 0.885.
+# docs/format.md §3: entry-length histogram by pair count 1..14 at p0 = 0.885.
 HISTOGRAM_0885 = [9, 65, 233, 577, 1161, 2049, 3305, 4993, 7177, 9921, 13289, 17345, 3843, 1569]
 
 

@@ -22,7 +22,7 @@ TINY = SwitchConfig(
     num_encoder_layers=2, num_decoder_layers=2, num_experts=4,
     num_encoder_sparse_layers=1, num_decoder_sparse_layers=1, eval_capacity_factor=4.0)
 
-# DESIGN.md §5 for TINY (V=64, d=16, h·k=2·4, f=24, E=4, layer 1 sparse).
+# docs/t5x.md §2 for TINY (V=64, d=16, h·k=2·4, f=24, E=4, layer 1 sparse).
 TINY_TREE = {
     "token_embedder/embedding": (64, 16),
     "encoder/relpos_bias/rel_embedding": (2, 32),

@@ -1,4 +1,4 @@
-// Dictionary encoder of format v1 (DESIGN.md §4): greedy longest-prefix
+// Dictionary encoder of format v1 (docs/format.md §5): greedy longest-prefix
 // matching of each row's pair symbols against the 2^16 dictionary entries.
 //
 // Lingo: a row of `cols` ternary codes (0 = zero, 1 = min, 2 = max) is read as

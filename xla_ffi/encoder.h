@@ -1,4 +1,4 @@
-// Host-side dictionary encoder of format v1 (DESIGN.md §4), bound into the
+// Host-side dictionary encoder of format v1 (docs/format.md §5), bound into the
 // Python module qmoe_jax._qmoe_ext as class `EncoderTable`.
 #pragma once
 

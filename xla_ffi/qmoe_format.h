@@ -1,4 +1,4 @@
-// Constants of the qmoe_jax compressed format v1 (DESIGN.md §4), shared by the
+// Constants of the qmoe_jax compressed format v1 (docs/format.md), shared by the
 // CPU and CUDA code.
 //
 // A matrix W[rows, cols] (y = W·x) is stored per row as a run of uint16

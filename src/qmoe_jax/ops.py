@@ -1,7 +1,7 @@
 """Fused decode-and-multiply ops on compressed matrices (the QMoE kernels).
 
-Lingo: W[rows, cols] in y = W·x orientation, stored in format v1 (DESIGN.md
-§4) as a ``CompressedMatrix``; a ``CompressedExperts`` stack holds E matrices
+Lingo: W[rows, cols] in y = W·x orientation, stored in format v1 (docs/format.md)
+as a ``CompressedMatrix``; a ``CompressedExperts`` stack holds E matrices
 of one layer. The ops decode W on the fly inside an XLA FFI call and never
 materialize it: ``matvec`` for tokens one by one, ``matmul`` for N tokens
 sharing a matrix (each row is decoded once for all of them), ``dequantize``

@@ -1,4 +1,4 @@
-"""Containers of compressed ternary matrices (format v1, DESIGN.md §4).
+"""Containers of compressed ternary matrices (format v1, docs/format.md §6).
 
 Lingo: W[rows, cols] in y = W·x orientation (rows = output features); a row's
 codewords are ``codes[row_offsets[r]:row_offsets[r+1]]``; ``minmax[r] =

@@ -108,7 +108,7 @@ class Dictionary:
     """A 2^16-entry ternary dictionary.
 
     Attributes:
-      entries: uint32[65536, 2], the canonical layout of DESIGN.md §4.
+      entries: uint32[65536, 2], the canonical layout of docs/format.md §4.
       masks: uint32[65536, 2], the same entries as plus/minus bit masks for the
         kernels (see ``masks_from_entries``).
       p0: the zero probability the dictionary was built for.

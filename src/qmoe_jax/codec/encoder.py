@@ -1,4 +1,4 @@
-"""Dictionary encoder of format v1: the entropy-coding step of QMoE (DESIGN.md §4).
+"""Dictionary encoder of format v1: the entropy-coding step of QMoE (docs/format.md §5).
 
 Lingo: a row of ternary codes (0 = zero, 1 = row min, 2 = row max) is read as
 pair symbols ``a + 3*b`` (odd rows get one zero pad) and cut greedily into the

@@ -1,4 +1,4 @@
-"""SwitchTransformer configurations (DESIGN.md §5), as T5X/flaxformer define them.
+"""SwitchTransformer configurations (docs/t5x.md §4), as T5X/flaxformer define them.
 
 Lingo: L = layers per stack, NS = sparse (MoE) layers per stack; layer i is
 sparse when ``i % (L/NS) == L/NS - 1`` (flaxformer's MIXED layout); E = experts;

@@ -1,4 +1,4 @@
-"""The encoder-decoder SwitchTransformer with T5X's parameter tree (DESIGN.md §5).
+"""The encoder-decoder SwitchTransformer with T5X's parameter tree (docs/t5x.md §2).
 
 Lingo: token id 0 is padding (and the decoder start token); a *logit mask*
 zeroes the normalized inputs of padding positions as flaxformer does; sparse

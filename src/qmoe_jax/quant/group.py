@@ -8,7 +8,7 @@ no tokens, or whose Hessian is not positive definite after damping, are
 rounded to nearest inside the batch (identity Hessian) and flagged in
 ``fallback`` for the caller to count.
 
-Multi-device (DESIGN.md §8): the group's expert axis is sharded over the
+Multi-device (docs/calibration.md §6): the group's expert axis is sharded over the
 ``jax.sharding.Mesh`` axis "expert"; every device runs the vmapped solver on
 its own experts (shard_map, no communication). A group whose size is not a
 multiple of the device count is padded with zero experts, stripped after.
