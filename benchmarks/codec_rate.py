@@ -15,7 +15,7 @@ Throughput is weights per second of `encode`, best of --repeats, on one
 thread and on all cores, per wall second and per CPU second of the process
 (the per-core figure; it does not count time lost to other processes).
 
-    PYTHONPATH=$PWD python benchmarks/codec_rate.py [--quick]
+    python benchmarks/codec_rate.py [--quick]
 """
 
 from __future__ import annotations

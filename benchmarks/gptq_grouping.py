@@ -29,7 +29,7 @@ run with OPENBLAS_NUM_THREADS=1 unless the environment sets it: OpenBLAS's own t
 pool, next to XLA's, collapses when the cores are oversubscribed (measured here at load
 ~12: four 1024x1024 factorizations 5.4 s with the default threads, 0.05 s with one).
 
-    PYTHONPATH=$PWD python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072]
+    python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072]
 """
 
 from __future__ import annotations

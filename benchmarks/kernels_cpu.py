@@ -15,7 +15,7 @@ shape runs once, back to back in shuffled order, so load from other processes
 hits all of them alike (minimums are in the JSON too). Weights and inputs are
 jit arguments.
 
-    PYTHONPATH=$PWD python benchmarks/kernels_cpu.py [--quick]
+    python benchmarks/kernels_cpu.py [--quick]
 """
 
 from __future__ import annotations

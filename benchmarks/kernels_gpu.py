@@ -19,7 +19,7 @@ checked against the dense product once (max error relative to max |y|).
 The c2048 shapes go first; the JSON is rewritten after every shape, so a run
 cut short keeps what it measured.
 
-    PYTHONPATH=$PWD python benchmarks/kernels_gpu.py [--matmul-shapes all|c2048] [--output PATH]
+    python benchmarks/kernels_gpu.py [--matmul-shapes all|c2048] [--output PATH]
 
 Writes JSON to --output (default $OUT/kernels_gpu.json when OUT is set, else
 benchmarks/results/kernels_gpu.json) and prints a table. Needs the extension

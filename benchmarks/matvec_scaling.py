@@ -6,8 +6,8 @@ calls each. Run it once as is and once pinned to one core; the ratio of the
 two codeword rates is how well the kernel's row split over XLA's thread pool
 scales:
 
-    PYTHONPATH=$PWD python benchmarks/matvec_scaling.py
-    PYTHONPATH=$PWD taskset -c 0 python benchmarks/matvec_scaling.py
+    python benchmarks/matvec_scaling.py
+    taskset -c 0 python benchmarks/matvec_scaling.py
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Compares parameter/activation dtypes side by side in one process. Prints a
 table and writes benchmarks/results/model_train_step.json.
 
-    PYTHONPATH=$PWD python benchmarks/model_train_step.py --config switch-mini-8 \
+    python benchmarks/model_train_step.py --config switch-mini-8 \
         --batch 32 --encoder-length 128 --decoder-length 32
 """
 

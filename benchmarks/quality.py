@@ -22,13 +22,13 @@ from qmoe_jax import bundled
 from qmoe_jax.checkpoints.compressed_model import load_compressed_model
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
 from qmoe_jax.data import Tokenizer
-from qmoe_jax.evaluate import bundled_validation_examples, load_t5x_params, mean_cross_entropy, padded_batches
+from qmoe_jax.inference import (bundled_validation_examples, evaluate_batches, load_t5x_params, make_eval_step,
+                                mean_cross_entropy, padded_batches)
 from qmoe_jax.models import SwitchTransformer, get_config
-from qmoe_jax.training import evaluate_batches, make_eval_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The paper's C4 validation losses (QMoE, Frantar & Alistarh 2023), as DESIGN.md §1 quotes them.
+# The paper's C4 validation losses (QMoE, Frantar & Alistarh 2023, arXiv:2310.16795).
 PAPER = {
     "switch-base-128": {"bf16": 1.73, "ternary rtn": 4.54, "ternary gptq": 1.99},
     "switch-c-2048": {"bf16": 1.18, "ternary rtn": 2.15, "ternary gptq": 1.26},

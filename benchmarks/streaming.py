@@ -34,9 +34,8 @@ import time
 import ml_dtypes
 import numpy as np
 
-from qmoe_jax.checkpoints import write_t5x_checkpoint
-from qmoe_jax.evaluate import expected_param_shapes
-from qmoe_jax.models import get_config
+from qmoe_jax.checkpoints import path_shapes, write_t5x_checkpoint
+from qmoe_jax.models import get_config, param_shapes
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,7 +44,7 @@ def synthetic_params(config, seed: int) -> dict:
     """Random bf16 parameters with the config's T5X tree, generated one array at a time."""
     rng = np.random.default_rng(seed)
     params: dict = {}
-    for path, shape in expected_param_shapes(config).items():
+    for path, shape in path_shapes(param_shapes(config)).items():
         fan_in = shape[-2] if len(shape) >= 2 else 1
         if path.endswith("scale"):
             value = np.ones(shape, ml_dtypes.bfloat16)

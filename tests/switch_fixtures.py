@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gzip
+import json
 
 import jax
 import jax.numpy as jnp
@@ -32,3 +34,10 @@ def write_tiny_checkpoint(directory, config=TINY, seed: int = 0) -> str:
 def write_calibration_text(path, sentences: int = 600, seed: int = 1) -> str:
     path.write_text("\n".join(synthetic_sentences(sentences, seed)))
     return str(path)
+
+
+def write_c4_shard(path, texts) -> None:
+    """One C4 shard in allenai/c4's layout: gzipped JSON lines with text, timestamp and url."""
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.org"}) + "\n")

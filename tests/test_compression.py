@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import signal
@@ -6,12 +7,16 @@ import time
 import numpy as np
 import pytest
 from child_process import popen_python
-from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
+from conftest import synthetic_sentences
+from switch_fixtures import TINY, write_c4_shard, write_calibration_text, write_tiny_checkpoint
 
+from qmoe_jax import bundled, compress
+from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
 from qmoe_jax.checkpoints.compressed_model import load_compressed_model
-from qmoe_jax.compression import CompressionOptions, compress_checkpoint
-from qmoe_jax.evaluate import mean_cross_entropy
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint, resolve_config
+from qmoe_jax.inference import mean_cross_entropy
+from qmoe_jax.inference.loading import infer_config
 from qmoe_jax.models import SwitchTransformer
 from qmoe_jax.report import summary_table
 
@@ -97,7 +102,7 @@ def test_rtn_and_kbit(tiny_setup, tmp_path):
 
 RUNNER = """
 from switch_fixtures import TINY
-from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint, resolve_config
 options = CompressionOptions(**{options!r})
 compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=False, config=TINY)
 """
@@ -191,3 +196,64 @@ def test_premask_changes_only_the_decoder_hessians(tiny_setup, tmp_path):
     assert checkpoint.manifest["layers"]["decoder.layers_1.mlp"]["stats"]["output_error"]["premasked_positions"] > 0
     with pytest.raises(ValueError, match="unknown premask 'all'; choose one of encoder, encoder_decoder, none"):
         options(tiny_setup, tmp_path / "bad", premask="all")
+
+
+def test_config_is_inferred_from_checkpoint_shapes(tiny_setup):
+    assert infer_config(open_t5x_checkpoint(bundled.checkpoint_path())).name == "switch-mini-8"
+    with pytest.raises(ValueError, match="0 known configs match its shapes.*pass --config"):
+        infer_config(open_t5x_checkpoint(tiny_setup[0]))
+
+
+def test_resolve_config_reads_names_and_json_files(tmp_path):
+    assert resolve_config("switch-base-128").num_experts == 128
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(dataclasses.asdict(TINY)))
+    assert resolve_config(str(path)) == TINY
+    path.write_text(json.dumps({"d_model": 8, "no_such_field": 1}))
+    with pytest.raises(ValueError, match="is not a SwitchConfig"):
+        resolve_config(str(path))
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_config(str(tmp_path / "missing.json"))
+
+
+def test_cli_compresses_c4_text_and_scores_both_models(tiny_setup, tmp_path, capsys):
+    """The CLI's own path: flags -> options -> config from a JSON file -> C4 shards -> report with both losses."""
+    checkpoint, _, tokenizer = tiny_setup
+    config_path = tmp_path / "tiny.json"
+    config_path.write_text(json.dumps(dataclasses.asdict(TINY)))
+    c4 = tmp_path / "c4"
+    c4.mkdir()
+    write_c4_shard(c4 / "c4-train.00000-of-00002.json.gz", synthetic_sentences(300, seed=3))
+    write_c4_shard(c4 / "c4-validation.00000-of-00001.json.gz", synthetic_sentences(100, seed=4))
+    output = tmp_path / "out"
+    compress.main(["--checkpoint", checkpoint, "--config", str(config_path), "--tokenizer", tokenizer,
+                   "--calibration", f"c4:{c4}", "--num_samples", "16", "--inputs_length", "32", "--batch_size", "8",
+                   "--group_size", "2", "--eval_examples", "12", "--output_dir", str(output)])
+    printed = capsys.readouterr().out
+    report = json.loads((output / "report.json").read_text())
+    evaluation = report["evaluation"]
+    assert evaluation["data"] == f"c4:{c4}" and evaluation["examples"] == 12
+    assert np.isfinite(evaluation["original_loss"]) and np.isfinite(evaluation["compressed_loss"])
+    assert evaluation["original_loss"] != evaluation["compressed_loss"]
+    assert f"original {evaluation['original_loss']:.4f}" in printed
+    assert f"python -m qmoe_jax.evaluate --checkpoint {output}" in printed
+    assert report["settings"]["calibration"] == f"c4:{c4}" and report["grid"] == {"kind": "ternary", "bits": None}
+
+
+def test_header_records_every_setting_that_changes_the_output():
+    recorded = set(CompressionOptions().header_settings())
+    assert recorded == {field.name for field in dataclasses.fields(CompressionOptions)} - {
+        "checkpoint", "config", "output_dir", "eval_examples", "eval_data"}
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--group_size", "0"], "group_size must be at least 1"),
+    (["--batch_size", "0"], "batch_size must be at least 1"),
+    (["--damping", "0"], "damping must be > 0"),
+    (["--eval_examples", "5", "--calibration", "text:*.txt"], "needs validation text"),
+])
+def test_cli_rejects_bad_flags_before_any_work(flags, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        compress.parse_options(flags)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

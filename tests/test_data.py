@@ -1,11 +1,11 @@
 import gzip
 import os
-import json
 
 import numpy as np
 import pytest
 
 from conftest import synthetic_sentences
+from switch_fixtures import write_c4_shard
 from qmoe_jax.data import (
     SpanCorruptionConfig,
     Tokenizer,
@@ -18,12 +18,6 @@ from qmoe_jax.data import (
     token_chunks,
 )
 from qmoe_jax.data.tokenizer import EOS_ID, PAD_ID
-
-
-def write_c4_shard(path, texts):
-    with gzip.open(path, "wt", encoding="utf-8") as f:
-        for text in texts:
-            f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.org"}) + "\n")
 
 
 def test_c4_shards_in_real_layout(tmp_path):

@@ -1,7 +1,6 @@
 import json
 import os
 
-import jax
 import numpy as np
 import pytest
 from child_process import run_python
@@ -9,9 +8,8 @@ from switch_fixtures import TINY, random_params
 
 from qmoe_jax import bundled
 from qmoe_jax.data import corpus
-from qmoe_jax.evaluate import expected_param_shapes, mean_cross_entropy, padded_batches
+from qmoe_jax.inference import mean_cross_entropies, mean_cross_entropy, padded_batches, token_cross_entropy
 from qmoe_jax.models import SwitchTransformer
-from qmoe_jax.training import token_cross_entropy
 
 
 def examples(count, seed=0):
@@ -47,11 +45,14 @@ def test_mean_cross_entropy_is_length_weighted():
     assert loss == pytest.approx(total / weight, rel=1e-5)
 
 
-def test_expected_param_shapes_match_init():
-    shapes = expected_param_shapes(TINY)
-    params = random_params(TINY)
-    flat = {"/".join(k.key for k in path): leaf.shape for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
-    assert shapes == flat
+def test_mean_cross_entropies_score_each_tree_on_the_same_batches():
+    model = SwitchTransformer(TINY)
+    first, second = random_params(TINY, seed=0), random_params(TINY, seed=1)
+    data = examples(6)
+    both = mean_cross_entropies(model, {"first": first, "second": second}, data, batch_size=4)
+    assert both["first"] == mean_cross_entropy(model, first, data, batch_size=4)
+    assert both["second"] == mean_cross_entropy(model, second, data, batch_size=4)
+    assert both["first"] != both["second"]
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ except ImportError as error:  # pragma: no cover - depends on the installation
     raise ImportError(
         "qmoe_jax's native extension _qmoe_ext is missing: build/install qmoe_jax first "
         "(`pip install .`, or for development `cmake -S . -B build/dev -G Ninja && "
-        "cmake --build build/dev` and put the checkout on PYTHONPATH)"
+        "cmake --build build/dev` and put the checkout's src/ on PYTHONPATH)"
     ) from error
 
 MATMUL = "qmoe_matmul"

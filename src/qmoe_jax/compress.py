@@ -62,6 +62,11 @@ def parse_options(argv=None) -> CompressionOptions:
     parser.add_argument("--gptq_memory_mb", type=int,
                         help="memory per vmapped GPTQ call (Hessians, weights, working copies); a group that "
                              "needs more is split into several calls (default: 1/4 of accelerator memory, 256 on CPU)")
+    parser.add_argument("--eval_examples", type=int,
+                        help="held-out validation examples on which the original and the compressed model are "
+                             "scored at the end (default: 256 for the bundled model, off for others; 0 = off)")
+    parser.add_argument("--eval_data", help="validation text: 'bundled' or 'c4:<dir or glob>' "
+                                            "(default: follows --calibration)")
     args = parser.parse_args(argv)
     try:
         return CompressionOptions(**vars(args))

@@ -2,7 +2,7 @@
 
 Sizes count bf16 (16 bits) for every uncompressed parameter. A ternary expert
 matrix costs ``16·codewords + 64·rows`` bits (codes, row offsets and bf16
-min/max, DESIGN.md §4); a k-bit matrix costs ``k·rows·cols + 64·rows`` bits
+min/max, docs/format.md §7); a k-bit matrix costs ``k·rows·cols + 64·rows`` bits
 (ideally packed codes plus per-row scale and zero point). Each distinct
 dictionary adds 512 KiB to the whole-model size.
 
@@ -38,7 +38,7 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
       seconds: wall time per stage of the run.
     """
     header = manifest["header"]
-    grid = header["settings"]["grid"]
+    grid = header["grid"]
     experts = header["model"]["num_experts"]
     layers, expert_bits = [], 0.0
     for name, record in manifest["layers"].items():
@@ -71,6 +71,7 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
     return {
         "config": header["model"]["name"],
         "source": header["source"],
+        "grid": header["grid"],
         "settings": header["settings"],
         "layers": layers,
         "moe": {

@@ -23,6 +23,7 @@ import optax
 
 from qmoe_jax.data.pipeline import batch_examples
 from qmoe_jax.data.span_corruption import span_corrupt
+from qmoe_jax.inference.evaluation import evaluate_batches, make_eval_step, model_inputs, token_cross_entropy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,16 +59,6 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     )
 
 
-def token_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Sum of per-token cross-entropy (nats) over weighted positions, and the weight sum.
-
-    logits f32|bf16[B, T, V]; targets int32[B, T]; weights f32[B, T].
-    """
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    token_loss = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
-    return (token_loss * weights).sum(), weights.sum()
-
-
 def training_batches(
     chunks: list[np.ndarray], first_sentinel: int, batch_size: int, encoder_length: int,
     decoder_length: int, seed: int, start_step: int = 0,
@@ -89,10 +80,6 @@ def training_batches(
         step += 1
 
 
-def _model_inputs(batch: dict) -> tuple:
-    return (batch["encoder_input_tokens"], batch["decoder_input_tokens"], batch["decoder_target_tokens"])
-
-
 def make_train_step(model, optimizer: optax.GradientTransformation, config: TrainConfig, aux_losses: Callable):
     """A jitted step (params, opt_state, batch, rng) -> (params, opt_state, metrics).
 
@@ -102,7 +89,7 @@ def make_train_step(model, optimizer: optax.GradientTransformation, config: Trai
 
     def loss_fn(params, batch, rng):
         logits, state = model.apply(
-            {"params": params}, *_model_inputs(batch), enable_dropout=True,
+            {"params": params}, *model_inputs(batch), enable_dropout=True,
             rngs={"dropout": rng}, mutable=["intermediates"],
         )
         loss_sum, weight_sum = token_cross_entropy(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"])
@@ -119,27 +106,6 @@ def make_train_step(model, optimizer: optax.GradientTransformation, config: Trai
         return optax.apply_updates(params, updates), opt_state, metrics
 
     return step
-
-
-def make_eval_step(model):
-    """A jitted (params, batch) -> (loss_sum, weight_sum) with dropout off and eval capacity."""
-
-    @jax.jit
-    def step(params, batch):
-        logits = model.apply({"params": params}, *_model_inputs(batch), enable_dropout=False)
-        return token_cross_entropy(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"])
-
-    return step
-
-
-def evaluate_batches(eval_step, params, batches: list[dict]) -> float:
-    """Length-weighted mean cross-entropy (nats per target token) over ``batches``."""
-    loss_sum = weight_sum = 0.0
-    for batch in batches:
-        batch_loss, batch_weight = eval_step(params, batch)
-        loss_sum += float(batch_loss)
-        weight_sum += float(batch_weight)
-    return loss_sum / max(weight_sum, 1.0)
 
 
 def save_snapshot(path: str, step: int, params, opt_state, history: list[dict]) -> None:

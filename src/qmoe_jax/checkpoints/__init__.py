@@ -15,6 +15,7 @@ from qmoe_jax.checkpoints.errors import NotACheckpointError as NotACheckpointErr
 from qmoe_jax.checkpoints.errors import ShapeMismatchError as ShapeMismatchError
 from qmoe_jax.checkpoints.reader import open_t5x_checkpoint as open_t5x_checkpoint
 from qmoe_jax.checkpoints.shapes import check_shapes as check_shapes
+from qmoe_jax.checkpoints.shapes import path_shapes as path_shapes
 from qmoe_jax.checkpoints.t5x_legacy import LegacyT5XCheckpoint as LegacyT5XCheckpoint
 from qmoe_jax.checkpoints.t5x_orbax import OrbaxT5XCheckpoint as OrbaxT5XCheckpoint
 from qmoe_jax.checkpoints.writer import t5x_chunk_shape as t5x_chunk_shape

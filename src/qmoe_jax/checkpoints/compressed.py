@@ -2,7 +2,7 @@
 
 Layout of an output directory::
 
-    manifest.json          format version, model config, source, settings, dictionaries, layers
+    manifest.json          format version; header (model config, source, grid, settings); dictionaries; layers
     dense/                 Orbax tree: every parameter except the expert kernels (as in the source)
     dictionaries/<fp16>/   Orbax tree {"entries": uint32[65536, 2]}, one per distinct dictionary
     layers/<layer>/        one finished sparse layer: arrays/ (Orbax) + layer.json (stats, checksums)
@@ -13,7 +13,7 @@ Its arrays are ``{kernel: {...}}`` per expert kernel (``wi``, ``wo``, or
 ``wi_0``, ``wi_1``, ``wo``): for ternary codes ``codes uint16[E, n]``,
 ``row_offsets int32[E, rows+1]``, ``minmax bfloat16[E, rows, 2]`` (rows = output
 features, i.e. the T5X kernel transposed); for k-bit grids ``codes uint8[E, rows,
-cols]``, ``scale`` and ``zero`` ``float32[E, rows]``.
+cols]`` and ``grid_params float32[E, rows, 2]`` (scale, zero). docs/format.md §8 has the whole layout.
 
 Each layer is written into a temporary directory and renamed into place, and
 the manifest is replaced atomically after it, so a crash (even kill -9) leaves

@@ -77,7 +77,8 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
             "re-run the same `python -m qmoe_jax.compress` command to finish it"
         )
     config = SwitchConfig(**checkpoint.header["model"])
-    grid = GridConfig(**checkpoint.header["settings"]["grid"])
+    # Checkpoints written before the header carried "grid" kept it under "settings".
+    grid = GridConfig(**checkpoint.header.get("grid", checkpoint.header["settings"]["grid"]))
     if experts == "compressed" and grid.kind != "ternary":
         raise ValueError(f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}")
     params = checkpoint.dense_params()

@@ -91,3 +91,14 @@ def check_shapes(
                       for p in extra])
     lines.append("Likely cause: " + "; ".join(_hints(found, missing, extra, differ, expected)) + ".")
     raise ShapeMismatchError("\n".join(lines))
+
+
+def path_shapes(tree: Mapping) -> dict[str, tuple[int, ...]]:
+    """``{"encoder/layers_0/...": shape}`` of a nested parameter tree (arrays or ``ShapeDtypeStruct``s)."""
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update({f"{key}/{path}": shape for path, shape in path_shapes(value).items()})
+        else:
+            flat[key] = tuple(value.shape)
+    return flat

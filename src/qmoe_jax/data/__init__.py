@@ -1,6 +1,7 @@
 """Calibration and evaluation data: sources, tokenizer, T5 span corruption, batching, premasking."""
 
 from qmoe_jax.data.pipeline import PREMASKS as PREMASKS
+from qmoe_jax.data.pipeline import check_premask as check_premask
 from qmoe_jax.data.pipeline import SpanCorruptionConfig as SpanCorruptionConfig
 from qmoe_jax.data.pipeline import batch_examples as batch_examples
 from qmoe_jax.data.pipeline import hessian_masks as hessian_masks

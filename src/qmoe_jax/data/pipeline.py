@@ -104,9 +104,14 @@ def batch_examples(
 PREMASKS = ("encoder", "encoder_decoder", "none")
 
 
+def check_premask(premask: str) -> None:
+    if premask not in PREMASKS:
+        raise ValueError(f"unknown premask {premask!r}; choose one of {', '.join(PREMASKS)}")
+
+
 def hessian_masks(batch: dict[str, np.ndarray], tokenizer: Tokenizer,
                   premask: str = "encoder") -> tuple[np.ndarray, np.ndarray]:
-    """Premasking: which token positions feed Hessians (DESIGN.md §5).
+    """Premasking: which token positions feed Hessians (docs/calibration.md §2).
 
     Padding never does. Beyond that, ``premask`` drops:
 
@@ -124,8 +129,7 @@ def hessian_masks(batch: dict[str, np.ndarray], tokenizer: Tokenizer,
     Returns:
       (encoder_mask bool[B, Le], decoder_mask bool[B, Ld]).
     """
-    if premask not in PREMASKS:
-        raise ValueError(f"unknown premask {premask!r}; choose one of {', '.join(PREMASKS)}")
+    check_premask(premask)
     encoder = batch["encoder_input_tokens"]
     targets = batch["decoder_target_tokens"]
     encoder_mask = encoder != PAD_ID

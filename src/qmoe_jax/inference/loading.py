@@ -1,0 +1,79 @@
+"""Opening checkpoints for inference: parameters as a model applies them.
+
+``open_model`` takes a T5X checkpoint (legacy or Orbax) or a qmoe_jax
+compressed directory (recognized by its ``manifest.json``) and returns the
+model with its parameters, the experts in the form asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+
+from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
+from qmoe_jax.checkpoints.compressed import MANIFEST
+from qmoe_jax.checkpoints.compressed_model import load_compressed_model
+from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
+
+
+def load_t5x_params(path: str | T5XCheckpoint, config: SwitchConfig, dtype=jnp.float32) -> dict:
+    """All parameters of a T5X checkpoint, shape-checked against ``config``, cast to ``dtype``."""
+    checkpoint = open_t5x_checkpoint(path) if isinstance(path, str) else path
+    checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
+    params = checkpoint.read_params(checkpoint.keys())
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+
+
+def infer_config(checkpoint: T5XCheckpoint) -> SwitchConfig:
+    """The one registered config whose parameter shapes the checkpoint has."""
+    found = {path: info.shape for path, info in checkpoint.spec().items()}
+    matches = [name for name in config_names() if path_shapes(param_shapes(get_config(name))) == found]
+    if len(matches) != 1:
+        raise ValueError(
+            f"cannot infer the model config of {checkpoint.url}: {len(matches)} known configs match its shapes "
+            f"({', '.join(matches) or 'none'}); pass --config (known: {', '.join(config_names())})"
+        )
+    return get_config(matches[0])
+
+
+@dataclasses.dataclass
+class OpenedModel:
+    """A model ready to ``module.apply({"params": params}, ...)``.
+
+    Attributes:
+      kind: "t5x" or "compressed"; experts: "dense" or "compressed" (fused kernels).
+    """
+
+    config: SwitchConfig
+    module: SwitchTransformer
+    params: dict
+    kind: str
+    experts: str
+
+
+def is_compressed_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def open_model(path: str, config: SwitchConfig | None = None, experts: str | None = None,
+               dtype=jnp.float32) -> OpenedModel:
+    """Opens a T5X checkpoint or a compressed directory for inference.
+
+    Args:
+      config: the model config of a T5X checkpoint (None: inferred from its
+        shapes); a compressed directory carries its own.
+      experts: "compressed" (fused kernels; the default for compressed
+        directories) or "dense" (dequantized; the only form of a T5X checkpoint).
+    """
+    if is_compressed_checkpoint(path):
+        loaded = load_compressed_model(path, experts=experts or "compressed", dtype=dtype)
+        return OpenedModel(loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts)
+    if experts not in (None, "dense"):
+        raise ValueError(f"{path} is a T5X checkpoint, whose experts are dense; --experts compressed needs a "
+                         "directory written by `python -m qmoe_jax.compress`")
+    checkpoint = open_t5x_checkpoint(path)
+    config = config or infer_config(checkpoint)
+    return OpenedModel(config, SwitchTransformer(config), load_t5x_params(checkpoint, config, dtype), "t5x", "dense")
