@@ -25,6 +25,7 @@ import numpy as np
 
 from qmoe_jax.calibration.sublayers import expert_hidden, expert_outputs
 from qmoe_jax.models import SwitchConfig
+from qmoe_jax.models.mlp import input_kernel_names, kernel_names
 from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, expert_hessians, quantize_expert_group
 from qmoe_jax.quant import cap_tokens, rtn, token_cap
 
@@ -87,14 +88,6 @@ class QuantizedKernel:
 
     def part(self, experts: slice) -> QuantizedKernel:
         return QuantizedKernel(self.codes[experts], self.grid_params[experts])
-
-
-def input_kernel_names(config: SwitchConfig) -> list[str]:
-    return ["wi"] if len(config.mlp_activations) == 1 else [f"wi_{i}" for i in range(len(config.mlp_activations))]
-
-
-def kernel_names(config: SwitchConfig) -> list[str]:
-    return input_kernel_names(config) + ["wo"]
 
 
 def _bucket(n: int) -> int:
@@ -162,7 +155,7 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
 
     if settings.method == "rtn":
         started = time.perf_counter()
-        for name in names + ["wo"]:
+        for name in kernel_names(config):
             codes, params = _rtn_experts(weights_of(name), settings.grid)
             quantized[name] = QuantizedKernel(np.asarray(codes), np.asarray(params))
         seconds["gptq"] += time.perf_counter() - started
@@ -195,10 +188,10 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         """wo's inputs for the experts of ``part``: activations through the original input
         kernels (QMoE), or through the quantized ones (true-sequential)."""
         if settings.true_sequential:
-            in_kernels = [dequantized_t5x_kernel(quantized[n].part(part), settings.grid) for n in names]
+            in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(part), settings.grid) for n in names}
         else:
-            in_kernels = [jnp.asarray(kernels[n][part], jnp.float32) for n in names]
-        return jax.vmap(lambda xs, *ks: expert_hidden(config, list(ks), xs))(x[part], *in_kernels)
+            in_kernels = {n: jnp.asarray(kernels[n][part], jnp.float32) for n in names}
+        return jax.vmap(lambda xs, ks: expert_hidden(config, ks, xs))(x[part], in_kernels)
 
     mask = jnp.asarray(tokens.hessian_mask)
     x = jnp.asarray(inputs)
@@ -215,7 +208,7 @@ def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, Q
     outputs = np.empty(inputs.shape, np.float32)
     for e in range(inputs.shape[0]):  # one expert's dequantized kernels at a time
         one = slice(e, e + 1)
-        in_kernels = [dequantized_t5x_kernel(quantized[n].part(one), grid)[0] for n in names]
+        in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(one), grid)[0] for n in names}
         out_kernel = dequantized_t5x_kernel(quantized["wo"].part(one), grid)[0]
         outputs[e] = np.asarray(
             expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs[e]), jnp.asarray(gates[e]))
@@ -226,7 +219,7 @@ def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, Q
 def original_expert_outputs(config: SwitchConfig, kernels: dict[str, np.ndarray], expert: int, inputs: np.ndarray,
                             gates: np.ndarray) -> np.ndarray:
     """Gated outputs ``[n, d]`` of one expert of the group through its original (T5X float) kernels."""
-    in_kernels = [jnp.asarray(kernels[n][expert], jnp.float32) for n in input_kernel_names(config)]
+    in_kernels = {n: jnp.asarray(kernels[n][expert], jnp.float32) for n in input_kernel_names(config)}
     out_kernel = jnp.asarray(kernels["wo"][expert], jnp.float32)
     return np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs), jnp.asarray(gates)))
 

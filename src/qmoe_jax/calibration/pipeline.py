@@ -21,13 +21,14 @@ import numpy as np
 from tqdm import tqdm
 
 from qmoe_jax.calibration.buffer import TokenBuffer
-from qmoe_jax.calibration.experts import ExpertCompressionConfig, QuantizedKernel, kernel_names
+from qmoe_jax.calibration.experts import ExpertCompressionConfig, QuantizedKernel
 from qmoe_jax.calibration.sparse_layer import LayerTokens, compress_layer, replay_layer
 from qmoe_jax.calibration.sublayers import decoder_attend, dense_mlp, encoder_attend, final_norm, route
 from qmoe_jax.checkpoints import T5XCheckpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointWriter
 from qmoe_jax.codec import DEFAULT_P0, Dictionary, adaptive_dictionary, build_dictionary
 from qmoe_jax.models import SwitchConfig
+from qmoe_jax.models.mlp import kernel_names
 
 
 @dataclasses.dataclass(frozen=True)

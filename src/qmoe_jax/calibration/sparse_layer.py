@@ -17,10 +17,10 @@ from collections.abc import Callable
 import numpy as np
 
 from qmoe_jax.calibration.experts import (ExpertCompressionConfig, QuantizedKernel, gather_group, group_outputs,
-                                          hessian_token_cap, kernel_names, original_expert_outputs, quantize_kernels,
-                                          sort_by_expert)
+                                          hessian_token_cap, original_expert_outputs, quantize_kernels, sort_by_expert)
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes, encode_experts
 from qmoe_jax.models import SwitchConfig
+from qmoe_jax.models.mlp import kernel_names
 
 ReadKernels = Callable[[range], dict[str, np.ndarray]]
 DictionaryFor = Callable[[dict[str, QuantizedKernel]], Dictionary]

@@ -11,13 +11,14 @@ computes exactly what the model computes.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from qmoe_jax.models import SwitchConfig
-from qmoe_jax.models.layers import DenseMlp, RelativePositionBias, RmsNorm, activation, attention_mask, causal_mask
+from qmoe_jax.models.layers import DenseMlp, RelativePositionBias, RmsNorm, attention_mask, causal_mask
+from qmoe_jax.models.mlp import hidden_units
 from qmoe_jax.models.moe import Router, expert_capacity, num_groups, route_top1
 from qmoe_jax.models.switch import DecoderLayer, EncoderLayer, decoder_logit_mask
 
@@ -76,13 +77,12 @@ def route(config: SwitchConfig, router_params, h):
     return routing.expert_index.reshape(shape), routing.gate.reshape(shape), routing.kept.reshape(shape)
 
 
-def expert_hidden(config: SwitchConfig, input_kernels: list[jax.Array], x: jax.Array) -> jax.Array:
-    """The expert MLP's hidden activations ``[n, f]`` for inputs ``x [n, d]`` (one expert)."""
-    hidden = None
-    for name, kernel in zip(config.mlp_activations, input_kernels):
-        h = activation(name)(jnp.dot(x, kernel.astype(x.dtype)))
-        hidden = h if hidden is None else hidden * h
-    return hidden
+def expert_hidden(config: SwitchConfig, input_kernels: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+    """The expert MLP's hidden activations ``[n, f]`` for inputs ``x [n, d]`` (one expert).
+
+    ``input_kernels`` maps each of ``input_kernel_names(config)`` to its T5X kernel ``[d, f]``.
+    """
+    return hidden_units(config, lambda name: jnp.dot(x, input_kernels[name].astype(x.dtype)))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -90,11 +90,3 @@ def expert_outputs(config: SwitchConfig, input_kernels, output_kernel, x, gate):
     """One expert's gated output ``gate · wo(act(x wi))`` for ``x [n, d]``, ``gate [n]``."""
     hidden = expert_hidden(config, input_kernels, x)
     return jnp.dot(hidden, output_kernel.astype(x.dtype)) * gate[:, None].astype(x.dtype)
-
-
-def pad_rows(array: np.ndarray, multiple: int) -> np.ndarray:
-    """Pads axis 0 with zeros to a multiple of ``multiple`` (bounds the number of jit shapes)."""
-    extra = (-array.shape[0]) % multiple
-    if extra == 0:
-        return array
-    return np.concatenate([array, np.zeros((extra,) + array.shape[1:], array.dtype)])

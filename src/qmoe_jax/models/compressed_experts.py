@@ -20,7 +20,8 @@ import jax
 from qmoe_jax import ops
 from qmoe_jax.codec import CompressedExperts, Dictionary
 from qmoe_jax.models.configs import SwitchConfig
-from qmoe_jax.models.layers import activation, dropout
+from qmoe_jax.models.layers import dropout
+from qmoe_jax.models.mlp import hidden_units
 
 
 class CompressedMlpExperts(nn.Module):
@@ -59,13 +60,8 @@ class CompressedMlpExperts(nn.Module):
     def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
         cfg = self.config
         dictionary = self._dictionary()
-        acts = cfg.mlp_activations
         x = expert_inputs.astype(cfg.jnp_dtype)
-        hidden = None
-        for index, name in enumerate(acts):
-            kernel = self._kernel("wi" if len(acts) == 1 else f"wi_{index}")
-            h = activation(name)(ops.matmul(kernel, x, dictionary))
-            hidden = h if hidden is None else hidden * h
+        hidden = hidden_units(cfg, lambda name: ops.matmul(self._kernel(name), x, dictionary))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
         return ops.matmul(self._kernel("wo"), hidden, dictionary)
 

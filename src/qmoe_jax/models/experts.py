@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 
 from qmoe_jax.models.configs import SwitchConfig
-from qmoe_jax.models.layers import activation, dropout
+from qmoe_jax.models.layers import dropout
+from qmoe_jax.models.mlp import hidden_units
 
 
 def expert_kernel_init(scale: float):
@@ -58,11 +59,6 @@ class MlpExperts(nn.Module):
     @nn.compact
     def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
         cfg = self.config
-        acts = cfg.mlp_activations
-        hidden = None
-        for index, name in enumerate(acts):
-            kernel_name = "wi" if len(acts) == 1 else f"wi_{index}"
-            h = activation(name)(ExpertKernel(cfg.d_ff, cfg, name=kernel_name)(expert_inputs))
-            hidden = h if hidden is None else hidden * h
+        hidden = hidden_units(cfg, lambda name: ExpertKernel(cfg.d_ff, cfg, name=name)(expert_inputs))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
         return ExpertKernel(cfg.d_model, cfg, name="wo")(hidden)

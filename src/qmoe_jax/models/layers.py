@@ -1,4 +1,4 @@
-"""Dense building blocks of the T5X SwitchTransformer (DESIGN.md §5).
+"""Dense building blocks of the T5X SwitchTransformer (docs/t5x.md §5).
 
 Lingo: B batch, L_q / L_k query / key lengths, d model width, h heads, k per-head
 width, f MLP width. T5 semantics: RMS norm without mean subtraction or bias
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmoe_jax.models.configs import SwitchConfig
+from qmoe_jax.models.mlp import hidden_units
 
 MASK_BIAS = -1e10
 
@@ -226,12 +227,6 @@ class MultiHeadAttention(nn.Module):
         return out
 
 
-def activation(name: str) -> Callable[[jax.Array], jax.Array]:
-    """flaxformer's activation names: relu, gelu (tanh approximation), silu, linear."""
-    return {"relu": jax.nn.relu, "gelu": nn.gelu, "silu": jax.nn.silu,
-            "linear": lambda x: x}[name]
-
-
 class DenseMlp(nn.Module):
     """T5 MLP ``wo(act(x wi))``, or gated ``wo(act0(x wi_0) * act1(x wi_1))``; ``[.., d] → [.., d]``."""
 
@@ -241,11 +236,6 @@ class DenseMlp(nn.Module):
     def __call__(self, x: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
         cfg = self.config
         init = kernel_init(cfg.init_scale, "truncated_normal")
-        acts = cfg.mlp_activations
-        hidden = None
-        for index, name in enumerate(acts):
-            kernel_name = "wi" if len(acts) == 1 else f"wi_{index}"
-            h = activation(name)(DenseKernel(cfg.d_ff, cfg, init, name=kernel_name)(x))
-            hidden = h if hidden is None else hidden * h
+        hidden = hidden_units(cfg, lambda name: DenseKernel(cfg.d_ff, cfg, init, name=name)(x))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
         return DenseKernel(cfg.d_model, cfg, init, name="wo")(hidden)
