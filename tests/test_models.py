@@ -11,7 +11,7 @@ from flax import traverse_util
 
 from qmoe_jax.models import (MlpExperts, MoeLayer, SwitchConfig, SwitchTransformer, config_names,
                              expert_capacity, get_config, num_groups, router_metrics)
-from qmoe_jax.models import decode_step, greedy_generate, init_cache, param_shapes
+from qmoe_jax.models import decode_step, init_cache, param_shapes
 from qmoe_jax.models.layers import relative_position_bucket
 
 # Eval capacity factor E gives each expert a whole group: no token ever drops
@@ -396,18 +396,3 @@ def test_incremental_decoding_matches_teacher_forcing():
     assert int(cache["decoder"]["cache_index"]) == 6
     past_end, _ = decode_step(model, params, cache, encoded, encoder_tokens, decoder_inputs[:, :1])
     assert bool(jnp.isnan(past_end).all())
-
-
-def test_greedy_generate_is_argmax_and_stops_at_eos():
-    model, params, encoder_tokens, _ = init(TINY)
-    generated = greedy_generate(model, params, encoder_tokens, max_decode_length=6, eos_id=-1)
-    assert generated.shape == (2, 6) and generated.dtype == jnp.int32
-    assert (generated > 0).all()  # so teacher forcing below sees no padding
-    logits = run(model, params, encoder_tokens, shift_right(generated), generated)
-    np.testing.assert_array_equal(jnp.argmax(logits, -1), generated)
-
-    eos = int(generated[0, 2])
-    stopped = greedy_generate(model, params, encoder_tokens, max_decode_length=6, eos_id=eos)
-    first_eos = int(np.argmax(np.asarray(generated[0]) == eos))
-    np.testing.assert_array_equal(stopped[0, :first_eos + 1], generated[0, :first_eos + 1])
-    assert (stopped[0, first_eos + 1:] == 0).all()

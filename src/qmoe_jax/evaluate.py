@@ -6,24 +6,30 @@
         --tokenizer cc_all.32000/sentencepiece.model --c4 /data/c4/en --num_samples 1000
 
 Prints one JSON line: the loss (nats per target token, length-weighted), the
-number of examples, and the uniform predictor's loss for scale.
+number of examples, the uniform predictor's loss for scale, target tokens per
+second and wall seconds of the evaluation (compilation included), and the
+process's peak resident memory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import resource
 import sys
+import time
 
 import numpy as np
 
 from qmoe_jax import bundled
+from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
 from qmoe_jax.inference import mean_cross_entropy, open_model, validation_set
 from qmoe_jax.models import get_config
 
 
-def main(argv=None) -> None:
+def evaluate(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m qmoe_jax.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="T5X checkpoint_<step> directory or URL, or a directory written by "
@@ -36,18 +42,35 @@ def main(argv=None) -> None:
     parser.add_argument("--num_samples", type=int, default=None, help="validation examples (default: all)")
     parser.add_argument("--inputs_length", type=int, default=bundled.INPUTS_LENGTH)
     parser.add_argument("--batch_size", type=int, default=32)
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    for flag in ("num_samples", "batch_size", "inputs_length"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
     path = args.checkpoint or bundled.checkpoint_path()
     validation = validation_set(f"c4:{args.c4}" if args.c4 else "bundled", tokenizer, args.num_samples,
                                 args.inputs_length)
     model = open_model(path, get_config(args.config) if args.config else None, args.experts)
+    started = time.perf_counter()
     loss = mean_cross_entropy(model.module, model.params, validation.examples, args.batch_size,
                               validation.encoder_length, validation.decoder_length, progress=sys.stderr.isatty())
+    seconds = time.perf_counter() - started
+    if not math.isfinite(loss):
+        raise ValueError(f"the validation loss of {path} is {loss}: the model's parameters hold NaN or infinite "
+                         "values, or its activations overflow; check the checkpoint (python -m qmoe_jax.compress "
+                         "names every non-finite array)")
+    target_tokens = sum(len(targets) for _, targets in validation.examples)
     print(json.dumps({"checkpoint": path, "config": model.config.name, "experts": model.experts,
                       "examples": len(validation.examples), "validation_loss": round(loss, 6),
-                      "uniform_loss": round(float(np.log(tokenizer.vocab_size)), 6)}))
+                      "uniform_loss": round(float(np.log(tokenizer.vocab_size)), 6),
+                      "target_tokens_per_second": round(target_tokens / seconds, 1), "seconds": round(seconds, 2),
+                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+
+
+def main(argv=None) -> None:
+    run_cli(evaluate, argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ table may be padded beyond ``n + 100`` rows (T5: 32128).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterable
 
 import numpy as np
@@ -18,6 +19,7 @@ PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
 NUM_SENTINELS = 100
+SENTINEL_MARK = re.compile(r"<extra_id_(\d+)>")
 
 
 class Tokenizer:
@@ -59,6 +61,20 @@ class Tokenizer:
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (no EOS appended)."""
         return self._processor.encode(text)
+
+    def encode_with_sentinels(self, text: str) -> list[int]:
+        """Token ids of ``text`` in which ``<extra_id_j>`` marks are sentinel ids (T5's span-infilling
+        syntax), the text between them encoded as usual (no EOS appended)."""
+        ids: list[int] = []
+        for index, part in enumerate(SENTINEL_MARK.split(text)):
+            if index % 2:
+                if int(part) >= self.extra_ids:
+                    raise ValueError(f"unknown sentinel <extra_id_{part}>: this vocabulary has "
+                                     f"<extra_id_0> to <extra_id_{self.extra_ids - 1}>")
+                ids.append(self.sentinel(int(part)))
+            elif part.strip():
+                ids.extend(self._processor.encode(part))
+        return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._processor.encode(texts)

@@ -4,7 +4,6 @@ from qmoe_jax.models.configs import SwitchConfig as SwitchConfig
 from qmoe_jax.models.configs import config_names as config_names
 from qmoe_jax.models.configs import get_config as get_config
 from qmoe_jax.models.decoding import decode_step as decode_step
-from qmoe_jax.models.decoding import greedy_generate as greedy_generate
 from qmoe_jax.models.decoding import init_cache as init_cache
 from qmoe_jax.models.experts import ExpertKernel as ExpertKernel
 from qmoe_jax.models.experts import MlpExperts as MlpExperts

@@ -1,0 +1,129 @@
+"""Opening compressed and T5X checkpoints for inference, and the generate CLI."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from child_process import run_python
+from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
+
+from qmoe_jax import generate as generate_cli
+from qmoe_jax.checkpoints import NotACheckpointError
+from qmoe_jax.checkpoints.compressed import CompressedCheckpointError
+from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.data import Tokenizer
+from qmoe_jax.inference import mean_cross_entropy, open_model
+from qmoe_jax.inference.decoding import DecodingConfig, generate
+from qmoe_jax.inference.generation import encode_prompts, generate_texts
+
+
+@pytest.fixture(scope="module")
+def compressed_tiny(tmp_path_factory, tiny_tokenizer):
+    root = tmp_path_factory.mktemp("inference")
+    checkpoint = write_tiny_checkpoint(root / "t5x")
+    text = write_calibration_text(root / "calibration.txt")
+    options = CompressionOptions(checkpoint=checkpoint, tokenizer=tiny_tokenizer.model_path,
+                                 calibration=f"text:{text}", num_samples=24, inputs_length=32, batch_size=8,
+                                 group_size=2, output_dir=str(root / "compressed"))
+    compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
+    return checkpoint, str(root / "compressed"), tiny_tokenizer
+
+
+def prompts_and_targets(count=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(np.append(rng.integers(3, TINY.vocab_size - 100, 12), 1).astype(np.int32),
+             np.append(rng.integers(3, TINY.vocab_size - 100, 6), 1).astype(np.int32)) for _ in range(count)]
+
+
+def test_compressed_and_dense_forms_agree_in_loss_and_greedy_tokens(compressed_tiny):
+    _, directory, _ = compressed_tiny
+    fused, dense = open_model(directory), open_model(directory, experts="dense")
+    assert (fused.kind, fused.experts, dense.experts) == ("compressed", "compressed", "dense")
+    assert fused.config == TINY
+    examples = prompts_and_targets()
+    losses = [mean_cross_entropy(m.module, m.params, examples, batch_size=4) for m in (fused, dense)]
+    assert abs(losses[0] - losses[1]) <= 1e-4, losses
+    encoder_tokens = np.stack([inputs for inputs, _ in examples])
+    config = DecodingConfig(method="greedy", max_decode_length=8, eos_id=-1)
+    tokens = [np.asarray(generate(m.module, m.params, encoder_tokens, config).tokens) for m in (fused, dense)]
+    np.testing.assert_array_equal(tokens[0], tokens[1])
+
+
+def test_t5x_checkpoint_opens_with_its_config_and_only_dense(compressed_tiny):
+    checkpoint, _, _ = compressed_tiny
+    opened = open_model(checkpoint, TINY)
+    assert (opened.kind, opened.experts) == ("t5x", "dense")
+    assert opened.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]["kernel"].shape == (4, 32, 64)
+    with pytest.raises(ValueError, match="T5X checkpoint, whose experts are dense"):
+        open_model(checkpoint, TINY, experts="compressed")
+
+
+def test_open_model_names_what_is_wrong(compressed_tiny, tmp_path):
+    with pytest.raises(NotACheckpointError):
+        open_model(str(tmp_path))
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    manifest = json.loads(open(os.path.join(compressed_tiny[1], "manifest.json")).read())
+    manifest["complete"] = False
+    (unfinished / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CompressedCheckpointError, match="unfinished.*re-run the same"):
+        open_model(str(unfinished))
+
+
+def test_prompts_take_sentinels_and_must_fit(tiny_tokenizer):
+    tokens = encode_prompts(tiny_tokenizer, ["a <extra_id_0> b <extra_id_1>", "c"], None)
+    assert tokens.shape[1] % 8 == 0
+    row = [t for t in tokens[0] if t]
+    assert row[-1] == 1 and tiny_tokenizer.sentinel(0) in row and tiny_tokenizer.sentinel(1) in row
+    assert row.index(tiny_tokenizer.sentinel(0)) < row.index(tiny_tokenizer.sentinel(1))
+    with pytest.raises(ValueError, match="unknown sentinel <extra_id_100>"):
+        encode_prompts(tiny_tokenizer, ["a <extra_id_100>"], None)
+    with pytest.raises(ValueError, match="more than the encoder length 4"):
+        encode_prompts(tiny_tokenizer, ["the model reads this prompt"], 4)
+
+
+def test_generate_texts_batches_like_one_call(compressed_tiny):
+    _, directory, tokenizer = compressed_tiny
+    opened = open_model(directory)
+    prompts = ["the small model", "a sparse <extra_id_0> reads", "dense layer writes", "one two three"]
+    config = DecodingConfig(max_decode_length=6, eos_id=-1)
+    by_three = list(generate_texts(opened.module, opened.params, tokenizer, prompts, config, batch_size=3,
+                                   inputs_length=16))
+    by_four = list(generate_texts(opened.module, opened.params, tokenizer, prompts, config, batch_size=4,
+                                  inputs_length=16))
+    assert [g.inputs for g in by_three] == prompts
+    assert [g.tokens for g in by_three] == [g.tokens for g in by_four]
+    assert all(g.text == tokenizer.decode(g.tokens) for g in by_three)
+
+
+def test_generate_cli_writes_json_lines(compressed_tiny, tmp_path, capsys):
+    _, directory, tokenizer = compressed_tiny
+    inputs = tmp_path / "prompts.jsonl"
+    inputs.write_text(json.dumps({"inputs": "the small <extra_id_0> model"}) + "\n\n" +
+                      json.dumps({"inputs": "every layer"}) + "\n")
+    output = tmp_path / "out.jsonl"
+    common = ["--checkpoint", directory, "--tokenizer", tokenizer.model_path, "--max_decode_length", "5"]
+    generate_cli.main(common + ["--input_file", str(inputs), "--output_file", str(output),
+                                "--decoding", "beam", "--beam_size", "2"])
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert [line["inputs"] for line in lines] == ["the small <extra_id_0> model", "every layer"]
+    assert all(set(line) == {"inputs", "generated", "tokens", "score"} for line in lines)
+    generate_cli.main(common + ["--prompt", "every layer", "--decoding", "sample", "--seed", "3"])
+    first = capsys.readouterr().out
+    generate_cli.main(common + ["--prompt", "every layer", "--decoding", "sample", "--seed", "3"])
+    assert capsys.readouterr().out == first
+
+
+def test_generate_cli_rejects_bad_input_briefly(compressed_tiny, tmp_path):
+    _, directory, tokenizer = compressed_tiny
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no inputs field"}\n')
+    result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--tokenizer", tokenizer.model_path,
+                         "--input_file", str(bad)], timeout=300)
+    assert result.returncode != 0
+    assert 'bad.jsonl:1 is not a JSON object with an "inputs" field' in result.stderr
+    result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--prompt", "a", "--top_p", "0"],
+                        timeout=300)
+    assert result.returncode == 2 and "top_p must be in (0, 1]" in result.stderr
