@@ -13,7 +13,7 @@ from switch_fixtures import TINY, write_c4_shard, write_calibration_text, write_
 from qmoe_jax import bundled, compress
 from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
-from qmoe_jax.checkpoints.compressed_model import load_compressed_model
+from qmoe_jax.inference.compressed import load_compressed_model
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint, resolve_config
 from qmoe_jax.inference import mean_cross_entropy
 from qmoe_jax.inference.loading import infer_config

@@ -127,3 +127,43 @@ def test_generate_cli_rejects_bad_input_briefly(compressed_tiny, tmp_path):
     result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--prompt", "a", "--top_p", "0"],
                         timeout=300)
     assert result.returncode == 2 and "top_p must be in (0, 1]" in result.stderr
+
+
+EXPERT_PARALLEL_SCRIPT = """
+import sys
+import jax, numpy as np
+from qmoe_jax.inference import open_model
+from qmoe_jax.inference.decoding import DecodingConfig, generate
+
+assert jax.device_count() == 4, jax.devices()
+model = open_model(sys.argv[1])
+assert model.mesh is not None and model.mesh.shape["expert"] == 4
+stack = model.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]
+assert len(stack.codes.sharding.device_set) == 4 and stack.codes.addressable_shards[0].data.shape[0] == 1
+data = np.load(sys.argv[2])
+logits = jax.jit(model.module.apply)({"params": model.params}, data["inputs"], data["decoder_inputs"], data["targets"])
+tokens = generate(model.module, model.params, data["inputs"], DecodingConfig(max_decode_length=8, eos_id=-1)).tokens
+np.savez(sys.argv[3], logits=np.asarray(logits), tokens=np.asarray(tokens))
+"""
+
+
+def test_expert_parallel_inference_on_four_devices_matches_one(compressed_tiny, tmp_path):
+    """Compressed stacks sharded over 4 host devices (one expert each): the same logits and greedy tokens.
+    In a child process (the device count is fixed when jax starts), with a watchdog against hangs."""
+    _, directory, _ = compressed_tiny
+    examples = prompts_and_targets(8, seed=1)
+    inputs = np.stack([i for i, _ in examples])
+    targets = np.stack([t for _, t in examples])
+    decoder_inputs = np.pad(targets[:, :-1], ((0, 0), (1, 0)))
+    np.savez(tmp_path / "data.npz", inputs=inputs, targets=targets, decoder_inputs=decoder_inputs)
+    result = run_python(["-c", EXPERT_PARALLEL_SCRIPT, directory, str(tmp_path / "data.npz"),
+                         str(tmp_path / "out.npz")], timeout=600,
+                        XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    assert result.returncode == 0, result.stderr[-3000:]
+    sharded = np.load(tmp_path / "out.npz")
+    one = open_model(directory, expert_parallel="off")
+    assert one.mesh is None
+    logits = one.module.apply({"params": one.params}, inputs, decoder_inputs, targets)
+    np.testing.assert_allclose(sharded["logits"], np.asarray(logits), rtol=1e-5, atol=1e-5)
+    tokens = generate(one.module, one.params, inputs, DecodingConfig(max_decode_length=8, eos_id=-1)).tokens
+    np.testing.assert_array_equal(sharded["tokens"], np.asarray(tokens))

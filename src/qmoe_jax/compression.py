@@ -22,7 +22,7 @@ from qmoe_jax.calibration.experts import ExpertCompressionConfig
 from qmoe_jax.calibration.pipeline import CalibrationConfig, CalibrationPass
 from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
 from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
-from qmoe_jax.checkpoints.compressed_model import load_compressed_model
+from qmoe_jax.inference.compressed import load_compressed_model
 from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, c4_documents, check_premask, corpus, text_file_documents
 from qmoe_jax.inference import load_t5x_params, mean_cross_entropies, validation_set
 from qmoe_jax.inference.loading import infer_config

@@ -25,7 +25,7 @@ import numpy as np
 from qmoe_jax import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import mean_cross_entropy, open_model, validation_set
+from qmoe_jax.inference import EXPERT_PARALLEL, mean_cross_entropy, open_model, validation_set
 from qmoe_jax.models import get_config
 
 
@@ -37,6 +37,8 @@ def evaluate(argv: list[str]) -> None:
     parser.add_argument("--config", help="model config name of a T5X checkpoint (default: inferred from its shapes)")
     parser.add_argument("--experts", choices=["compressed", "dense"],
                         help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense)")
+    parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",
+                        help="shard compressed experts over all devices (auto: when there are several)")
     parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
     parser.add_argument("--c4", help="C4 directory or glob (default: the bundled corpus's validation split)")
     parser.add_argument("--num_samples", type=int, default=None, help="validation examples (default: all)")
@@ -52,7 +54,8 @@ def evaluate(argv: list[str]) -> None:
     path = args.checkpoint or bundled.checkpoint_path()
     validation = validation_set(f"c4:{args.c4}" if args.c4 else "bundled", tokenizer, args.num_samples,
                                 args.inputs_length)
-    model = open_model(path, get_config(args.config) if args.config else None, args.experts)
+    model = open_model(path, get_config(args.config) if args.config else None, args.experts,
+                       expert_parallel=args.expert_parallel)
     started = time.perf_counter()
     loss = mean_cross_entropy(model.module, model.params, validation.examples, args.batch_size,
                               validation.encoder_length, validation.decoder_length, progress=sys.stderr.isatty())

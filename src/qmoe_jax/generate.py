@@ -19,7 +19,7 @@ import time
 
 from qmoe_jax import bundled
 from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import open_model
+from qmoe_jax.inference import EXPERT_PARALLEL, open_model
 from qmoe_jax.inference.decoding import METHODS, DecodingConfig
 from qmoe_jax.inference.generation import generate_texts
 from qmoe_jax.models import get_config
@@ -46,6 +46,8 @@ def main(argv=None) -> None:
     parser.add_argument("--config", help="model config name of a T5X checkpoint (default: inferred)")
     parser.add_argument("--experts", choices=["compressed", "dense"],
                         help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense)")
+    parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",
+                        help="shard compressed experts over all devices (auto: when there are several)")
     parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--input_file", help='JSON lines with an "inputs" field')
@@ -75,7 +77,8 @@ def main(argv=None) -> None:
     prompts = args.prompt or read_prompts(args.input_file)
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
     model = open_model(args.checkpoint or bundled.checkpoint_path(),
-                       get_config(args.config) if args.config else None, args.experts)
+                       get_config(args.config) if args.config else None, args.experts,
+                       expert_parallel=args.expert_parallel)
     started, generated_tokens = time.perf_counter(), 0
     out = open(args.output_file, "w") if args.output_file else sys.stdout
     try:

@@ -12,6 +12,7 @@ from qmoe_jax.inference.evaluation import validation_documents as validation_doc
 from qmoe_jax.inference.evaluation import ValidationSet as ValidationSet
 from qmoe_jax.inference.evaluation import validation_examples as validation_examples
 from qmoe_jax.inference.evaluation import validation_set as validation_set
+from qmoe_jax.inference.loading import EXPERT_PARALLEL as EXPERT_PARALLEL
 from qmoe_jax.inference.loading import OpenedModel as OpenedModel
 from qmoe_jax.inference.loading import is_compressed_checkpoint as is_compressed_checkpoint
 from qmoe_jax.inference.loading import load_t5x_params as load_t5x_params

@@ -12,10 +12,11 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
 from qmoe_jax.checkpoints.compressed import MANIFEST
-from qmoe_jax.checkpoints.compressed_model import load_compressed_model
+from qmoe_jax.inference.compressed import load_compressed_model
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
@@ -45,6 +46,7 @@ class OpenedModel:
 
     Attributes:
       kind: "t5x" or "compressed"; experts: "dense" or "compressed" (fused kernels).
+      mesh: the expert-parallel mesh (axis ``expert``), or None.
     """
 
     config: SwitchConfig
@@ -52,14 +54,18 @@ class OpenedModel:
     params: dict
     kind: str
     experts: str
+    mesh: jax.sharding.Mesh | None = None
 
 
 def is_compressed_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, MANIFEST))
 
 
+EXPERT_PARALLEL = ("auto", "on", "off")
+
+
 def open_model(path: str, config: SwitchConfig | None = None, experts: str | None = None,
-               dtype=jnp.float32) -> OpenedModel:
+               dtype=jnp.float32, expert_parallel: str = "auto") -> OpenedModel:
     """Opens a T5X checkpoint or a compressed directory for inference.
 
     Args:
@@ -67,10 +73,19 @@ def open_model(path: str, config: SwitchConfig | None = None, experts: str | Non
         shapes); a compressed directory carries its own.
       experts: "compressed" (fused kernels; the default for compressed
         directories) or "dense" (dequantized; the only form of a T5X checkpoint).
+      expert_parallel: compressed experts only: "on" shards every expert stack
+        over all devices (mesh axis ``expert``; with ``jax.distributed``, the
+        devices of every host), so that each device multiplies the tokens
+        routed to its own experts; "auto" does so when there is more than one
+        device; "off" runs every expert on one device.
     """
+    if expert_parallel not in EXPERT_PARALLEL:
+        raise ValueError(f"expert_parallel must be one of {', '.join(EXPERT_PARALLEL)}, got {expert_parallel!r}")
     if is_compressed_checkpoint(path):
-        loaded = load_compressed_model(path, experts=experts or "compressed", dtype=dtype)
-        return OpenedModel(loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts)
+        parallel = expert_parallel == "on" or (expert_parallel == "auto" and jax.device_count() > 1)
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",)) if parallel else None
+        loaded = load_compressed_model(path, experts=experts or "compressed", dtype=dtype, mesh=mesh)
+        return OpenedModel(loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts, loaded.mesh)
     if experts not in (None, "dense"):
         raise ValueError(f"{path} is a T5X checkpoint, whose experts are dense; --experts compressed needs a "
                          "directory written by `python -m qmoe_jax.compress`")

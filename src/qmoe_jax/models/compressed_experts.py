@@ -32,10 +32,14 @@ class CompressedMlpExperts(nn.Module):
       dictionaries: dictionary of each sparse layer, keyed by the layer's dotted
         path without ``expert`` (e.g. ``"encoder.layers_1.mlp"``), as
         ``CompressedModel.dictionaries`` gives them.
+      mesh: expert parallelism: the stacks are sharded over this mesh's
+        ``expert`` axis, and each device multiplies the tokens dispatched to its
+        own experts (``ops.expert_parallel``); None runs every expert here.
     """
 
     config: SwitchConfig
     dictionaries: Mapping[str, Dictionary]
+    mesh: jax.sharding.Mesh | None = None
 
     def _dictionary(self) -> Dictionary:
         layer = ".".join(self.path[:-1])
@@ -50,7 +54,7 @@ class CompressedMlpExperts(nn.Module):
         if kernel is None:
             raise ValueError(
                 f"{'/'.join(self.path)}/{name} is missing: compressed experts are loaded, not initialized; "
-                "use qmoe_jax.checkpoints.compressed_model.load_compressed_model(..., experts='compressed')"
+                "use qmoe_jax.inference.open_model(<compressed directory>)"
             )
         if not isinstance(kernel, CompressedExperts):
             raise TypeError(f"{'/'.join(self.path)}/{name} is a {type(kernel).__name__}, expected CompressedExperts")
@@ -60,12 +64,14 @@ class CompressedMlpExperts(nn.Module):
     def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
         cfg = self.config
         dictionary = self._dictionary()
+        matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
         x = expert_inputs.astype(cfg.jnp_dtype)
-        hidden = hidden_units(cfg, lambda name: ops.matmul(self._kernel(name), x, dictionary))
+        hidden = hidden_units(cfg, lambda name: matmul(self._kernel(name), x, dictionary))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
-        return ops.matmul(self._kernel("wo"), hidden, dictionary)
+        return matmul(self._kernel("wo"), hidden, dictionary)
 
 
-def compressed_experts_cls(dictionaries: Mapping[str, Dictionary]):
-    """The ``experts_cls`` for ``SwitchTransformer`` over compressed expert stacks."""
-    return functools.partial(CompressedMlpExperts, dictionaries=dict(dictionaries))
+def compressed_experts_cls(dictionaries: Mapping[str, Dictionary], mesh: jax.sharding.Mesh | None = None):
+    """The ``experts_cls`` for ``SwitchTransformer`` over compressed expert stacks (expert-parallel over
+    ``mesh``'s ``expert`` axis when given)."""
+    return functools.partial(CompressedMlpExperts, dictionaries=dict(dictionaries), mesh=mesh)

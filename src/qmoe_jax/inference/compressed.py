@@ -1,4 +1,4 @@
-"""Loading a compressed checkpoint as model parameters.
+"""Loading a compressed checkpoint (docs/format.md §8) as model parameters.
 
 Two forms of the expert kernels:
 - "dense": dequantized to T5X's ``expert/<kernel>/kernel [E, in, out]``, for the
@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointError
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes
 from qmoe_jax.models import SwitchConfig, SwitchTransformer
+from qmoe_jax.models.compressed_experts import compressed_experts_cls
 from qmoe_jax.quant import GridConfig, dequantize_codes
 
 
@@ -29,6 +31,9 @@ class CompressedModel:
       params: the parameter tree (expert kernels in the requested form).
       dictionaries: ``{layer name: Dictionary}`` of ternary layers.
       grid: the grid the experts were quantized to.
+      experts: "dense" or "compressed".
+      mesh: the mesh whose ``expert`` axis the compressed stacks are sharded
+        over (expert parallelism), or None.
     """
 
     config: SwitchConfig
@@ -37,13 +42,13 @@ class CompressedModel:
     grid: GridConfig
     experts: str = "dense"
 
+    mesh: jax.sharding.Mesh | None = None
+
     def module(self) -> SwitchTransformer:
         """The model to ``apply`` with ``{"params": self.params}``."""
         if self.experts == "dense":
             return SwitchTransformer(self.config)
-        from qmoe_jax.models.compressed_experts import compressed_experts_cls
-
-        return SwitchTransformer(self.config, experts_cls=compressed_experts_cls(self.dictionaries))
+        return SwitchTransformer(self.config, experts_cls=compressed_experts_cls(self.dictionaries, self.mesh))
 
 
 def _stack(arrays: dict, cols: int) -> CompressedExperts:
@@ -61,12 +66,16 @@ def dequantized_kernel(arrays: dict, grid: GridConfig, cols: int, dictionary: Di
     return np.swapaxes(weights, 1, 2)
 
 
-def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.float32) -> CompressedModel:
+def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.float32,
+                          mesh: jax.sharding.Mesh | None = None) -> CompressedModel:
     """Reads a finished compressed checkpoint, verifying checksums and dictionary fingerprints.
 
     Args:
       experts: "dense" or "compressed" (ternary checkpoints only).
       dtype: dtype of the dense parameters and dequantized kernels.
+      mesh: with "compressed", shard every expert stack over this mesh's
+        ``expert`` axis (expert parallelism; E must divide by its size); the
+        dense parameters are replicated on its devices.
     """
     if experts not in ("dense", "compressed"):
         raise ValueError(f"experts must be 'dense' or 'compressed', got {experts!r}")
@@ -99,7 +108,16 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
                 expert[kernel] = {"kernel": jnp.asarray(dequantized_kernel(stored, grid, cols, dictionary), dtype)}
             else:
                 expert[kernel] = _stack(stored, cols)
-    return CompressedModel(config, params, dictionaries, grid, experts)
+    if mesh is None or experts == "dense":
+        return CompressedModel(config, params, dictionaries, grid, experts)
+    if config.num_experts % mesh.shape["expert"]:
+        raise ValueError(f"{config.num_experts} experts per layer cannot be split evenly over "
+                         f"{mesh.shape['expert']} devices; use a device count that divides {config.num_experts}")
+    by_expert = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    placement = jax.tree.map(lambda leaf: by_expert if isinstance(leaf, CompressedExperts) else replicated, params,
+                             is_leaf=lambda leaf: isinstance(leaf, CompressedExperts))
+    return CompressedModel(config, jax.device_put(params, placement), dictionaries, grid, experts, mesh)
 
 
 def _cast(tree, dtype):
