@@ -72,7 +72,7 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
 
     Args:
       experts: "dense" or "compressed" (ternary checkpoints only).
-      dtype: dtype of the dense parameters and dequantized kernels.
+      dtype: dtype of the dense parameters, the dequantized kernels and the activations.
       mesh: with "compressed", shard every expert stack over this mesh's
         ``expert`` axis (expert parallelism; E must divide by its size); the
         dense parameters are replicated on its devices.
@@ -85,7 +85,7 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
             f"{directory} is unfinished ({len(checkpoint.layer_names())} layers done); "
             "re-run the same `python -m qmoe_jax.compress` command to finish it"
         )
-    config = SwitchConfig(**checkpoint.header["model"])
+    config = dataclasses.replace(SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name)
     # Checkpoints written before the header carried "grid" kept it under "settings".
     grid = GridConfig(**checkpoint.header.get("grid", checkpoint.header["settings"]["grid"]))
     if experts == "compressed" and grid.kind != "ternary":

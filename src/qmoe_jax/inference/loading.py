@@ -73,6 +73,7 @@ def open_model(path: str, config: SwitchConfig | None = None, experts: str | Non
         shapes); a compressed directory carries its own.
       experts: "compressed" (fused kernels; the default for compressed
         directories) or "dense" (dequantized; the only form of a T5X checkpoint).
+      dtype: of the parameters and the activations (float32 or bfloat16).
       expert_parallel: compressed experts only: "on" shards every expert stack
         over all devices (mesh axis ``expert``; with ``jax.distributed``, the
         devices of every host), so that each device multiplies the tokens
@@ -90,5 +91,5 @@ def open_model(path: str, config: SwitchConfig | None = None, experts: str | Non
         raise ValueError(f"{path} is a T5X checkpoint, whose experts are dense; --experts compressed needs a "
                          "directory written by `python -m qmoe_jax.compress`")
     checkpoint = open_t5x_checkpoint(path)
-    config = config or infer_config(checkpoint)
+    config = dataclasses.replace(config or infer_config(checkpoint), dtype=jnp.dtype(dtype).name)
     return OpenedModel(config, SwitchTransformer(config), load_t5x_params(checkpoint, config, dtype), "t5x", "dense")
