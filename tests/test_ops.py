@@ -11,9 +11,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from qmoe_jax import ops
-from qmoe_jax.codec import CompressedMatrix, decode_codes
-
+from qmoe_jax import _kernels, ops
+from qmoe_jax.codec import CompressedExperts, CompressedMatrix, decode_codes
 
 
 def _assert_close(actual, expected, dtype):
@@ -204,3 +203,149 @@ def test_bfloat16_results_round_to_nearest_even(dictionary):
     exact = (np.asarray(x, np.float32) @ dense.T).astype(ml_dtypes.bfloat16)
     mismatch = np.asarray(ops.matmul(w, x, dictionary)) != exact
     assert mismatch.mean() < 0.05  # only f32 summation-order ties differ
+
+
+# Tokens in use per expert of a [5, 9, cols] dispatch buffer: single tokens
+# (one-token dots), blocks, and counts the kernels clamp to [0, 9].
+COUNTS = {
+    "all_empty": [0, 0, 0, 0, 0],
+    "one_expert": [0, 0, 1, 0, 0],
+    "all_full": [9, 9, 9, 9, 9],
+    "mixed": [3, 0, 9, 1, 7],
+    "out_of_range": [-4, 12, 2**31 - 1, -(2**31), 5],
+}
+
+
+def _in_use(counts, tokens: int) -> np.ndarray:
+    """bool[..., tokens]: token n of each entry is in use."""
+    return np.arange(tokens) < np.clip(np.asarray(counts, np.int64), 0, tokens)[..., None]
+
+
+def _masked_product(x, dense, counts) -> np.ndarray:
+    """x [E, C, cols] times W [E, rows, cols], zero for tokens not in use."""
+    y = np.einsum("ecj,erj->ecr", np.asarray(x, np.float32), dense)
+    return np.where(_in_use(counts, x.shape[1])[..., None], y, 0.0)
+
+
+@pytest.mark.parametrize("isa", ops.cpu_isas())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_counts_compute_only_the_tokens_in_use(dictionary, monkeypatch, isa, dtype):
+    monkeypatch.setenv("QMOE_CPU_ISA", isa)
+    stack, dense = _experts(5, 19, 37)
+    x = _tokens((5, 9, 37), dtype)
+    matmul = jax.jit(ops.matmul, static_argnums=2)
+    for counts in COUNTS.values():
+        counts = np.asarray(counts, np.int32)
+        expected = _masked_product(x, dense, counts)
+        y = matmul(stack, x, dictionary, counts)
+        _assert_close(y, expected, dtype)
+        assert not np.asarray(y, np.float32)[~_in_use(counts, 9)].any()
+        _assert_close(ops.matmul_reference(stack, x, dictionary, counts), expected, dtype)
+    hlo = matmul.lower(stack, x, dictionary, counts).as_text()
+    assert hlo.count("custom_call @qmoe_matmul") == 1
+
+
+@pytest.mark.parametrize("isa", ops.cpu_isas())
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_input_gradient_with_counts(dictionary, monkeypatch, isa, dtype):
+    monkeypatch.setenv("QMOE_CPU_ISA", isa)
+    stack, dense = _experts(5, 19, 37)
+    x = _tokens((5, 9, 37), dtype)
+    cotangent = _tokens((5, 9, 19), jnp.float32, seed=2)
+
+    def loss(op, x, counts):
+        return (op(stack, x, dictionary, counts).astype(jnp.float32) * cotangent).sum()
+
+    kernel_grad = jax.jit(jax.grad(functools.partial(loss, ops.matmul)))
+    twin_grad = jax.grad(functools.partial(loss, ops.matmul_reference))
+    for counts in COUNTS.values():
+        counts = jnp.asarray(counts, jnp.int32)
+        grad = kernel_grad(x, counts)
+        assert grad.dtype == dtype
+        in_use = _in_use(counts, 9)
+        expected = np.einsum("ecr,erj->ecj", np.asarray(cotangent), dense)
+        _assert_close(grad, np.where(in_use[..., None], expected, 0.0), dtype)
+        assert not np.asarray(grad, np.float32)[~in_use].any()
+        _assert_close(twin_grad(x, counts), grad, dtype)
+
+
+def test_counts_under_vmap(dictionary):
+    stack, dense = _experts(3, 13, 21)
+    x = _tokens((4, 3, 6, 21), jnp.float32)
+    counts = np.random.default_rng(0).integers(-1, 8, (4, 3)).astype(np.int32)
+    expected = np.stack([_masked_product(x[v], dense, counts[v]) for v in range(4)])
+    per_step = jax.jit(jax.vmap(lambda x, counts: ops.matmul(stack, x, dictionary, counts)))
+    _assert_close(per_step(x, counts), expected, jnp.float32)
+    assert per_step.lower(x, counts).as_text().count("custom_call @qmoe_matmul") == 1
+    shared = jax.vmap(lambda x: ops.matmul(stack, x, dictionary, counts[0]))(x)
+    expected_shared = np.stack([_masked_product(step, dense, counts[0]) for step in x])
+    _assert_close(shared, expected_shared, jnp.float32)
+
+    def one(codes, row_offsets, minmax, x, count):
+        w = CompressedMatrix(codes, row_offsets, minmax, 21)
+        return ops.matmul(w, x, dictionary, count)
+
+    matrices = jax.vmap(one)(stack.codes, stack.row_offsets, stack.minmax, x[0], counts[0])
+    _assert_close(matrices, expected[0], jnp.float32)
+    grads = jax.vmap(jax.grad(lambda x, c: ops.matmul(stack, x, dictionary, c).sum()))(x, counts)
+    row_sums = np.broadcast_to(dense.sum(axis=1)[None, :, None], x.shape)
+    _assert_close(grads, np.where(_in_use(counts, 6)[..., None], row_sums, 0.0), jnp.float32)
+
+
+def test_matvec_counts_entries_over_the_flattened_dims(dictionary):
+    stack, dense = _experts(4, 13, 21)
+    x = _tokens((4, 21), jnp.float32)
+    used = np.array([1, 0, 0, 1], np.int32)
+    expected = np.einsum("ej,erj->er", np.asarray(x), dense) * used[:, None]
+    _assert_close(ops.matvec(stack, x, dictionary, used), expected, jnp.float32)
+    x = _tokens((4, 2, 3, 21), jnp.float32)
+    counts = np.array([6, 0, 4, 2], np.int32)
+    expected = _masked_product(x.reshape(4, 6, 21), dense, counts).reshape(4, 2, 3, 13)
+    _assert_close(ops.matvec(stack, x, dictionary, counts), expected, jnp.float32)
+    _assert_close(ops.matvec_reference(stack, x, dictionary, counts), expected, jnp.float32)
+    w, dense = _matrix(13, 21)
+    y = ops.matvec(w, x[0], dictionary, 4)
+    _assert_close(y, np.where(_in_use(4, 6).reshape(2, 3, 1), np.asarray(x[0]) @ dense.T, 0.0),
+                  jnp.float32)
+
+
+def test_experts_without_tokens_are_not_read(dictionary):
+    stack, dense = _experts(3, 13, 21)
+    decreasing = np.asarray(stack.row_offsets[1]).copy()
+    decreasing[5], decreasing[6] = decreasing[6], decreasing[5]
+    narrow, _ = _matrix(13, 19)  # its rows decode to 20 weights, not 22
+    corrupt = CompressedExperts.stack([
+        stack[0],
+        compressed_data.with_arrays(stack[1], row_offsets=decreasing),
+        CompressedMatrix(narrow.codes, narrow.row_offsets, narrow.minmax, 21),
+    ])
+    x = np.asarray(_tokens((3, 4, 21), jnp.float32)).copy()
+    x[:, 2:] = np.nan  # slots not in use are not read either
+    counts = np.array([2, 0, 0], np.int32)
+    y = ops.matmul(corrupt, x, dictionary, counts)
+    _assert_close(y, _masked_product(np.nan_to_num(x), dense, counts), jnp.float32)
+    grad = jax.grad(lambda x: ops.matmul(corrupt, x, dictionary, counts).sum())(jnp.asarray(x))
+    assert np.isfinite(np.asarray(grad)).all()
+    with pytest.raises(Exception, match=r"row_offsets of batch index 1 .* decrease at row 5"):
+        ops.matmul(corrupt, x, dictionary, np.array([2, 1, 0], np.int32))
+    with pytest.raises(Exception, match=r"row 0 of batch index 2 .* decodes to 20 weights"):
+        ops.matmul(corrupt, x, dictionary, np.array([2, 0, 1], np.int32))
+
+
+def test_bad_counts_raise_clear_errors(dictionary):
+    stack, dense = _experts(3, 13, 21)
+    x = _tokens((3, 4, 21), jnp.float32)
+    with pytest.raises(TypeError, match="counts must be an integer array"):
+        ops.matmul(stack, x, dictionary, np.ones(3, np.float32))
+    with pytest.raises(ValueError, match=r"counts must be int32\[3\], one count per expert"):
+        ops.matmul(stack, x, dictionary, np.ones((3, 1), np.int32))
+    w, _ = _matrix(13, 21)
+    with pytest.raises(ValueError, match="counts must be an int32 scalar"):
+        ops.matmul(w, x[0], dictionary, np.ones(3, np.int32))
+    narrow = np.array([255, 0, 3], np.uint8)  # clamped before the cast to int32
+    _assert_close(ops.matmul(stack, x, dictionary, narrow), _masked_product(x, dense, narrow),
+                  jnp.float32)
+    masks, slots = _kernels.dictionary_operands(dictionary)
+    call = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((3, 4, 13), jnp.float32))
+    with pytest.raises(Exception, match=r"counts must have shape \[B...\] .* B... = \[3\]"):
+        call(masks, slots, stack.codes, stack.row_offsets, stack.minmax, x, np.ones(2, np.int32))

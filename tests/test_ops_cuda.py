@@ -117,7 +117,8 @@ def test_random_matrices_match_the_dense_product(rows, cols, tokens, p0, seed):
     _assert_close(ops.matmul(w, x, dictionary), x @ dense.T, jnp.float32)
     g = rng.standard_normal((tokens, rows)).astype(np.float32)
     dx = _kernels.matmul_transposed_call(
-        _kernels.Static(dictionary, cols), w.codes, w.row_offsets, w.minmax, g
+        _kernels.Static(dictionary, cols), w.codes, w.row_offsets, w.minmax, g,
+        _kernels.all_tokens(g),
     )
     _assert_close(dx, g @ dense, jnp.float32)
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
@@ -233,6 +234,88 @@ def test_bfloat16_results_round_to_nearest_even(dictionary):
     assert mismatch.mean() < 0.05  # only f32 summation-order ties differ
 
 
+def _in_use(counts, tokens: int) -> np.ndarray:
+    """bool[..., tokens]: token n of each entry is in use."""
+    return np.arange(tokens) < np.clip(np.asarray(counts, np.int64), 0, tokens)[..., None]
+
+
+def _masked_product(x, dense, counts) -> np.ndarray:
+    """x [E, C, cols] times W [E, rows, cols], zero for tokens not in use."""
+    y = np.einsum("ecj,erj->ecr", np.asarray(x, np.float32), dense)
+    return np.where(_in_use(counts, x.shape[1])[..., None], y, 0.0)
+
+
+# (experts, rows, cols, slots): tiles of 8 with a partial last one, a stack
+# wider than one ballot window (32) and one count pass (256 entries), x too
+# wide to stage.
+COUNTS_SHAPES = [(5, 37, 101, 11), (70, 13, 21, 3), (300, 5, 7, 2), (3, 40, 13001, 2)]
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("experts,rows,cols,slots", COUNTS_SHAPES)
+def test_counts_match_twin_dense_and_cpu(dictionary, dtype, experts, rows, cols, slots):
+    stack, dense = _experts(experts, rows, cols)
+    x = _tokens((experts, slots, cols), dtype)
+    rng = np.random.default_rng(experts)
+    cases = {
+        "all_empty": np.zeros(experts, np.int32),
+        "one_expert": (np.arange(experts) == experts // 2).astype(np.int32),
+        "last_expert_full": np.where(np.arange(experts) == experts - 1, slots, 0).astype(np.int32),
+        "all_full": np.full(experts, slots, np.int32),
+        "random": rng.integers(-2, slots + 3, experts).astype(np.int32),
+    }
+    matmul = jax.jit(ops.matmul, static_argnums=2)
+    for counts in cases.values():
+        expected = _masked_product(x, dense, counts)
+        y = matmul(stack, x, dictionary, counts)
+        _assert_close(y, expected, dtype)
+        assert not np.asarray(y, np.float32)[~_in_use(counts, slots)].any()
+        _assert_close(y, _on_cpu(lambda w, x, c: matmul(w, x, dictionary, c), stack, x, counts),
+                      dtype)
+        _assert_close(ops.matmul_reference(stack, x, dictionary, counts), expected, dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_input_gradient_with_counts(dictionary, dtype):
+    stack, dense = _experts(70, 13, 21)
+    x = _tokens((70, 9, 21), dtype)
+    cotangent = _tokens((70, 9, 13), jnp.float32, seed=2)
+    counts = np.random.default_rng(0).integers(-1, 11, 70).astype(np.int32)
+    counts[:40] = 0
+
+    def loss(op, x):
+        return (op(stack, x, dictionary, counts).astype(jnp.float32) * cotangent).sum()
+
+    grad = jax.jit(jax.grad(functools.partial(loss, ops.matmul)))(x)
+    assert grad.dtype == dtype
+    in_use = _in_use(counts, 9)
+    expected = np.einsum("ecr,erj->ecj", np.asarray(cotangent.astype(dtype), np.float32), dense)
+    _assert_close(grad, np.where(in_use[..., None], expected, 0.0), dtype)
+    assert not np.asarray(grad, np.float32)[~in_use].any()
+    _assert_close(jax.grad(functools.partial(loss, ops.matmul_reference))(x), grad, dtype)
+
+
+@needs_gpu
+def test_counts_under_vmap(dictionary):
+    stack, dense = _experts(3, 13, 21)
+    x = _tokens((4, 3, 6, 21), jnp.float32)
+    counts = np.random.default_rng(0).integers(-1, 8, (4, 3)).astype(np.int32)
+    # Counts mapped along with x: the outer dim is not folded.
+    per_step = jax.vmap(lambda x, c: ops.matmul(stack, x, dictionary, c))(x, counts)
+    expected = np.stack([_masked_product(x[v], dense, counts[v]) for v in range(4)])
+    _assert_close(per_step, expected, jnp.float32)
+    # One matrix, counts broadcast over the vmapped dim: folded into the tokens.
+    w, w_dense = _matrix(13, 21)
+    folded = jax.vmap(lambda x: ops.matmul(w, x, dictionary, 4))(x[:, 0])
+    product = np.einsum("vcj,rj->vcr", np.asarray(x[:, 0]), w_dense)
+    _assert_close(folded, np.where(_in_use(4, 6)[None, :, None], product, 0.0), jnp.float32)
+    grads = jax.vmap(jax.grad(lambda x, c: ops.matmul(stack, x, dictionary, c).sum()))(x, counts)
+    row_sums = np.broadcast_to(dense.sum(axis=1)[None, :, None], x.shape)
+    _assert_close(grads, np.where(_in_use(counts, 6)[..., None], row_sums, 0.0), jnp.float32)
+
+
 def _corrupt_cases():
     """(13×21 matrix, its rows that fail to decode, message of the CPU handlers)."""
     w, _ = _matrix(13, 21)
@@ -291,14 +374,17 @@ def test_bad_environment_and_shapes_raise(dictionary, monkeypatch):
         np.asarray(ops.matvec(w, jnp.zeros(21), dictionary))
     monkeypatch.delenv("QMOE_CUDA_VALIDATE")
     masks, slots = _kernels.dictionary_operands(dictionary)
+    x, counts = jnp.zeros((2, 21)), np.int32(2)
     call = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((2, 13), jnp.float32))
     with pytest.raises(Exception, match=r"masks must have shape \[65536, 2\]"):
-        np.asarray(call(masks[:100], slots, w.codes, w.row_offsets, w.minmax, jnp.zeros((2, 21))))
+        np.asarray(call(masks[:100], slots, w.codes, w.row_offsets, w.minmax, x, counts))
     narrow_y = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((2, 12), jnp.float32))
     with pytest.raises(
         Exception, match=r"y must have 13 columns \(rows of minmax\); got \[2, 12\]"
     ):
-        np.asarray(narrow_y(masks, slots, w.codes, w.row_offsets, w.minmax, jnp.zeros((2, 21))))
+        np.asarray(narrow_y(masks, slots, w.codes, w.row_offsets, w.minmax, x, counts))
+    with pytest.raises(Exception, match=r"counts must have shape \[B...\]"):
+        np.asarray(call(masks, slots, w.codes, w.row_offsets, w.minmax, x, np.ones(2, np.int32)))
 
 
 FUZZ = textwrap.dedent(
@@ -321,13 +407,21 @@ FUZZ = textwrap.dedent(
         fn = jax.ffi.ffi_call(target, result, vmap_method="expand_dims")
         return np.asarray(fn(*forms, codes, offsets, minmax, *operands, **attributes), np.float32)
 
+    # int32[B...] from 0, small, past N and the int32 extremes, or (1 in 8) a wrong shape.
+    def garbage_counts(batch):
+        shape = (*batch, 2) if rng.random() < 0.125 else batch
+        values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
+        return rng.choice(values, shape)
+
     def run_all(forms, codes, offsets, minmax):
         batch = codes.shape[:-1]
         x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
         g = rng.standard_normal((*batch, 3, rows)).astype(jnp.bfloat16)
         cases = [
-            ("qmoe_matmul", jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), (x,), {}),
-            ("qmoe_matmul_t", jax.ShapeDtypeStruct((*batch, 3, cols), jnp.bfloat16), (g,), {}),
+            ("qmoe_matmul", jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32),
+             (x, garbage_counts(batch)), {}),
+            ("qmoe_matmul_t", jax.ShapeDtypeStruct((*batch, 3, cols), jnp.bfloat16),
+             (g, garbage_counts(batch)), {}),
             ("qmoe_dequantize", jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16), (),
              dict(cols=np.int64(cols))),
         ]
@@ -365,12 +459,24 @@ FUZZ = textwrap.dedent(
             run_all(forms, codes, offsets, minmax)
             stacked = (a[None].repeat(2, 0) for a in (codes, offsets, minmax))
             run_all(forms, *stacked)
-    # The context survived: a good call still gives the right answer.
+    # The context survived: a good call still gives the right answer, with
+    # garbage counts clamped.
     os.environ["QMOE_CUDA_VALIDATE"] = "0"
     x = rng.standard_normal((4, cols)).astype(np.float32)
     y = call("qmoe_matmul", jax.ShapeDtypeStruct((4, rows), jnp.float32), (masks, slots),
-             good_codes, np.asarray(good.row_offsets), np.asarray(good.minmax), x)
+             good_codes, np.asarray(good.row_offsets), np.asarray(good.minmax), x, np.int32(4))
     np.testing.assert_allclose(y, x @ dense.T, rtol=1e-5, atol=1e-5)
+    stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
+    for _ in range(20):
+        counts = garbage_counts((3,))
+        if counts.shape != (3,):
+            continue
+        x = rng.standard_normal((3, 5, cols)).astype(np.float32)
+        y = call("qmoe_matmul", jax.ShapeDtypeStruct((3, 5, rows), jnp.float32), (masks, slots),
+                 *stack, x, counts)
+        in_use = np.arange(5) < np.clip(counts.astype(np.int64), 0, 5)[:, None]
+        np.testing.assert_allclose(y, np.where(in_use[..., None], x @ dense.T, 0), rtol=1e-5,
+                                   atol=1e-5)
     print(json.dumps(dict(outcomes=outcomes, messages=sorted(messages))))
     """
 )
@@ -407,14 +513,15 @@ COMMAND_BUFFERS = textwrap.dedent(
     x = rng.standard_normal((5, 101)).astype(np.float32)
 
     @jax.jit
-    def step(x):
-        y = ops.matmul(w, jnp.tanh(x), dictionary)
+    def step(x, count):
+        y = ops.matmul(w, jnp.tanh(x), dictionary, count)
         weights = ops.dequantize(w, dictionary).astype(jnp.float32)
         return jnp.dot(jnp.tanh(y), weights, precision=jax.lax.Precision.HIGHEST) + 1.0
 
-    expected = np.tanh(np.tanh(x) @ dense.T) @ dense + 1.0
-    for _ in range(3):
-        np.testing.assert_allclose(np.asarray(step(x)), expected, rtol=1e-4, atol=1e-4)
+    for count in (5, 3, 0, 5):
+        y = np.where(np.arange(5)[:, None] < count, np.tanh(x) @ dense.T, 0.0)
+        expected = np.tanh(y) @ dense + 1.0
+        np.testing.assert_allclose(np.asarray(step(x, count)), expected, rtol=1e-4, atol=1e-4)
     print("ok")
     """
 )

@@ -1,5 +1,6 @@
 """Property and fuzz tests of the kernels: random well-formed matrices agree with
-the dense product; garbage operands give an error, never a crash."""
+the dense product; garbage operands give an error, never a crash; garbage
+counts are clamped to [0, N]."""
 
 import json
 import textwrap
@@ -20,20 +21,26 @@ from qmoe_jax.codec import build_dictionary
     rows=st.integers(1, 12),
     cols=st.integers(1, 70),
     tokens=st.integers(1, 20),
+    count=st.integers(-3, 23),
     p0=st.sampled_from([0.5, 0.885, 0.97]),
     seed=st.integers(0, 2**31),
 )
-def test_random_matrices_match_the_dense_product(rows, cols, tokens, p0, seed):
+def test_random_matrices_match_the_dense_product(rows, cols, tokens, count, p0, seed):
     dictionary = build_dictionary(0.885)
     rng = np.random.default_rng(seed)
     w, dense = compressed_data.matrix(rng, dictionary, rows, cols, p0)
     x = rng.standard_normal((tokens, cols)).astype(np.float32)
     np.testing.assert_allclose(ops.matmul(w, x, dictionary), x @ dense.T, rtol=1e-5, atol=1e-5)
+    in_use = (np.arange(tokens) < count)[:, None]
+    np.testing.assert_allclose(
+        ops.matmul(w, x, dictionary, count), np.where(in_use, x @ dense.T, 0), rtol=1e-5, atol=1e-5
+    )
     g = rng.standard_normal((tokens, rows)).astype(np.float32)
     dx = ops._kernels.matmul_transposed_call(
-        ops._kernels.Static(dictionary, cols), w.codes, w.row_offsets, jnp.asarray(w.minmax), g
+        ops._kernels.Static(dictionary, cols), w.codes, w.row_offsets, jnp.asarray(w.minmax), g,
+        np.int32(count),
     )
-    np.testing.assert_allclose(dx, g @ dense, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dx, np.where(in_use, g @ dense, 0), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
 
 
@@ -56,14 +63,23 @@ FUZZ = textwrap.dedent(
         fn = jax.ffi.ffi_call(target, result, vmap_method="expand_dims")
         return np.asarray(fn(*dictionary_forms, codes, offsets, minmax, *dense, **attributes))
 
+    # int32[B...] from 0, small, past N and the int32 extremes, or (1 in 8) a wrong shape.
+    def garbage_counts(batch):
+        shape = (*batch, 2) if rng.random() < 0.125 else batch
+        values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
+        return rng.choice(values, shape)
+
     def run_all(forms, codes, offsets, minmax):
         batch = codes.shape[:-1]
         x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
         g = rng.standard_normal((*batch, 3, rows)).astype(np.float32)
         cases = [
-            ("qmoe_matmul", (x,), jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), {}),
-            ("qmoe_matmul", (x[..., :1, :],), jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32), {}),
-            ("qmoe_matmul_t", (g,), jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32), {}),
+            ("qmoe_matmul", (x, garbage_counts(batch)),
+             jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), {}),
+            ("qmoe_matmul", (x[..., :1, :], garbage_counts(batch)),
+             jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32), {}),
+            ("qmoe_matmul_t", (g, garbage_counts(batch)),
+             jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32), {}),
             ("qmoe_dequantize", (), jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
              dict(cols=np.int64(cols))),
         ]
@@ -75,7 +91,7 @@ FUZZ = textwrap.dedent(
                 outcomes["error"] += 1
                 messages.add(str(error).splitlines()[0][:80])
 
-    good, _ = compressed_data.matrix(rng, dictionary, rows, cols)
+    good, good_dense = compressed_data.matrix(rng, dictionary, rows, cols)
     good_codes = np.zeros(n_codes, np.uint16)
     good_codes[: len(good.codes)] = good.codes
     for isa in json.loads(os.environ["ISAS"]):
@@ -104,6 +120,21 @@ FUZZ = textwrap.dedent(
                 forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8))
             run_all(forms, codes, offsets, minmax)
             run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
+        # Good operands, garbage counts: the tokens in use are exact, the others zero.
+        stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
+        for _ in range(20):
+            counts = garbage_counts((3,))
+            x = rng.standard_normal((3, 5, cols)).astype(np.float32)
+            result = jax.ShapeDtypeStruct((3, 5, rows), jnp.float32)
+            try:
+                y = call("qmoe_matmul", (x, counts), result, (masks, slots), *stack)
+            except Exception as error:
+                outcomes["error"] += 1
+                messages.add(str(error).splitlines()[0][:80])
+                continue
+            in_use = np.arange(5) < np.clip(counts.astype(np.int64), 0, 5)[:, None]
+            expected = np.where(in_use[..., None], x @ good_dense.T, 0)
+            outcomes["exact" if np.allclose(y, expected, rtol=1e-5, atol=1e-5) else "wrong"] += 1
     print(json.dumps(dict(outcomes=outcomes, messages=sorted(messages))))
     """
 )
@@ -113,6 +144,8 @@ def test_garbage_operands_error_and_never_crash():
     run = run_python(["-c", FUZZ], timeout=900, ISAS=json.dumps(ops.cpu_isas()))
     assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["outcomes"].get("error", 0) > 0 and result["outcomes"].get("ok", 0) > 0, result
+    outcomes = result["outcomes"]
+    assert outcomes.get("error", 0) > 0 and outcomes.get("ok", 0) > 0, result
+    assert outcomes.get("exact", 0) > 0 and outcomes.get("wrong", 0) == 0, result
     for message in result["messages"]:
         assert "qmoe_" in message, message

@@ -26,10 +26,19 @@ SCRIPT = textwrap.dedent(
     y = matmul(stack, x, dictionary)
     grad = jax.jit(jax.grad(lambda x: matmul(stack, x, dictionary).sum()))(x)
     hlo = matmul.lower(stack, x, dictionary).compile().as_text()
+    counts = jax.device_put(jnp.asarray([0, 1, 5, 2, 0, 0, 3, 9], jnp.int32), sharding)
+    in_use = (np.arange(5) < np.asarray(counts)[:, None])[..., None]
+    counted = matmul(stack, x, dictionary, counts)
+    counted_grad = jax.jit(jax.grad(lambda x: matmul(stack, x, dictionary, counts).sum()))(x)
+    product = np.einsum("ecj,erj->ecr", np.asarray(x), dense)
     print(json.dumps(dict(
         devices=len(jax.devices()),
-        error=float(np.abs(np.asarray(y) - np.einsum("ecj,erj->ecr", np.asarray(x), dense)).max()),
+        error=float(np.abs(np.asarray(y) - product).max()),
         grad_error=float(np.abs(np.asarray(grad) - dense.sum(1)[:, None, :]).max()),
+        counts_error=float(np.abs(np.asarray(counted) - np.where(in_use, product, 0)).max()),
+        counts_grad_error=float(
+            np.abs(np.asarray(counted_grad) - np.where(in_use, dense.sum(1)[:, None, :], 0)).max()
+        ),
         output_sharded=y.sharding.spec == P("expert"),
         collectives=[op for op in ("all-gather", "all-reduce", "all-to-all") if op in hlo],
         local_shape=list(y.addressable_shards[0].data.shape),
@@ -44,6 +53,7 @@ def test_expert_parallel_on_four_devices():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4
     assert result["error"] < 1e-5 and result["grad_error"] < 1e-5
+    assert result["counts_error"] < 1e-5 and result["counts_grad_error"] < 1e-5
     assert result["output_sharded"]
     assert result["collectives"] == []
     assert result["local_shape"] == [2, 5, 13]

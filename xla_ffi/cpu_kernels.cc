@@ -1,6 +1,7 @@
 // CPU handlers of the qmoe_jax FFI targets (contract in cpu_kernels.h):
 // validation, then units of work (cpu_units.h) spread over XLA's thread pool.
-// When there are fewer units than threads, each unit's rows are split too.
+// Units cover the tokens in use only (matrices without any get none); when
+// there are fewer units than threads, each unit's rows are split too.
 #include "cpu_kernels.h"
 
 #include <algorithm>
@@ -30,7 +31,8 @@ ffi::Error FailureError(const char* op, const CompressedOperands& w,
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
                       ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
                       ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                      ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y) {
+                      ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                      ffi::Result<ffi::AnyBuffer> y) {
   const Dims y_dims = y->dimensions();
   const Dims x_dims = x.dimensions();
   if (auto error = CheckDenseArgs(kMatmul, {"x", x.element_type(), x_dims, "cols"},
@@ -56,6 +58,11 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
       error.failure()) {
     return error;
   }
+  std::vector<int64_t> used_tokens;
+  if (auto error = CheckCounts(kMatmul, counts, w.batch, tokens, &used_tokens); error.failure()) {
+    return error;
+  }
+  if (auto error = CheckRowOffsets(kMatmul, w, &used_tokens); error.failure()) return error;
   const RowKernels* kernels;
   if (auto error = SelectKernels(kMatmul, &kernels); error.failure()) return error;
   if (tokens == 0 || w.rows == 0 || w.batch_size == 0) return ffi::Error::Success();
@@ -63,7 +70,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
   const bool bf16 = x.element_type() == ffi::DataType::BF16;
   const DenseRows x_rows{x.untyped_data(), bf16, w.cols};
   const DenseRows y_rows{y->untyped_data(), bf16, w.rows};
-  const std::vector<TokenGroup> groups = GroupTokens(w, x_batch_index, tokens);
+  ZeroUnusedTokens(y_rows, tokens, used_tokens);
+  const std::vector<TokenGroup> groups = GroupTokens(w, x_batch_index, tokens, used_tokens);
   const std::vector<Unit> units = Units(groups, /*always_blocks=*/false);
   const int64_t unit_count = static_cast<int64_t>(units.size());
   const int64_t workers = Workers(pool);
@@ -94,7 +102,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
 ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
                                 ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                                ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx) {
+                                ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
+                                ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = kMatmulTransposed;
   const Dims dx_dims = dx->dimensions();
   const Dims g_dims = g.dimensions();
@@ -116,6 +125,11 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
       error.failure()) {
     return error;
   }
+  std::vector<int64_t> used_tokens;
+  if (auto error = CheckCounts(op, counts, w.batch, tokens, &used_tokens); error.failure()) {
+    return error;
+  }
+  if (auto error = CheckRowOffsets(op, w, &used_tokens); error.failure()) return error;
   const RowKernels* kernels;
   if (auto error = SelectKernels(op, &kernels); error.failure()) return error;
   if (tokens == 0 || w.cols == 0 || w.batch_size == 0) return ffi::Error::Success();
@@ -123,7 +137,8 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
   const bool bf16 = g.element_type() == ffi::DataType::BF16;
   const DenseRows g_rows{g.untyped_data(), bf16, w.rows};
   const DenseRows dx_rows{dx->untyped_data(), bf16, w.cols};
-  const std::vector<TokenGroup> groups = GroupTokens(w, g_batch_index, tokens);
+  ZeroUnusedTokens(dx_rows, tokens, used_tokens);
+  const std::vector<TokenGroup> groups = GroupTokens(w, g_batch_index, tokens, used_tokens);
   const std::vector<Unit> units = Units(groups, /*always_blocks=*/true);
   const int64_t unit_count = static_cast<int64_t>(units.size());
   const int64_t workers = Workers(pool);
@@ -190,6 +205,9 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
       error.failure()) {
     return error;
   }
+  if (auto error = CheckRowOffsets(kDequantize, w, /*used_tokens=*/nullptr); error.failure()) {
+    return error;
+  }
   if (dims[dims.size() - 2] != w.rows) {
     return ffi::Error::InvalidArgument(std::string(kDequantize) + ": the result must have " +
                                        std::to_string(w.rows) + " rows (rows of minmax); got " +
@@ -243,6 +261,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulCpu, qmoe::cpu::MatmulImpl,
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
                                   .Arg<xla::ffi::AnyBuffer>()               // x f32|bf16[B..., N, cols]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // counts i32[B...], tokens in use
                                   .Ret<xla::ffi::AnyBuffer>());             // y [B..., N, rows]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulTransposedCpu, qmoe::cpu::MatmulTransposedImpl,
@@ -254,6 +273,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulTransposedCpu, qmoe::cpu::MatmulTranspos
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
                                   .Arg<xla::ffi::AnyBuffer>()               // g f32|bf16[B..., N, rows]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // counts i32[B...], tokens in use
                                   .Ret<xla::ffi::AnyBuffer>());             // dx [B..., N, cols]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeDequantizeCpu, qmoe::cpu::DequantizeImpl,

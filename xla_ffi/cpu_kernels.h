@@ -2,11 +2,13 @@
 //
 // Targets (platform "cpu" here; CUDA handlers implement the same contract):
 //
-//   "qmoe_matmul"      y[..., n, r]  = sum_j W[r, j] * x[..., n, j]
-//       operands  masks, slots, codes, row_offsets, minmax, x f32|bf16[B..., N, cols]
+//   "qmoe_matmul"      y[..., n, r]  = sum_j W[r, j] * x[..., n, j]   for n < counts[...], else 0
+//       operands  masks, slots, codes, row_offsets, minmax, x f32|bf16[B..., N, cols],
+//                 counts i32[B...]
 //       result    y [B..., N, rows], dtype of x
-//   "qmoe_matmul_t"    dx[..., n, j] = sum_r W[r, j] * g[..., n, r]   (input gradient)
-//       operands  masks, slots, codes, row_offsets, minmax, g f32|bf16[B..., N, rows]
+//   "qmoe_matmul_t"    dx[..., n, j] = sum_r W[r, j] * g[..., n, r]   for n < counts[...], else 0
+//       operands  masks, slots, codes, row_offsets, minmax, g f32|bf16[B..., N, rows],
+//                 counts i32[B...]                                    (input gradient)
 //       result    dx [B..., N, cols], dtype of g; cols comes from dx's shape
 //   "qmoe_dequantize"  w[..., r, j] = W[r, j]
 //       operands  masks, slots, codes, row_offsets, minmax
@@ -29,11 +31,20 @@
 // matrix shared by several batch entries is decoded once for all their
 // tokens. Sums accumulate in f32; bf16 results are rounded to nearest even.
 //
-// Handlers validate everything before use and return INVALID_ARGUMENT with
-// a message naming the operand, batch index and row: operand shapes;
-// row_offsets start at 0, never decrease and end within codes; each row
-// decodes to exactly 2 * ceil(cols / 2) weights. Whatever bytes they get,
-// they never read or write out of bounds.
+// Tokens in use (matmul and matmul_t): counts[b] says how many tokens of
+// batch entry b, the first ones along N, are computed (routing fills an
+// expert's slots from the front). Counts are clamped to [0, N]: a count
+// above N (tokens dropped at capacity) computes all N, a negative one none.
+// The result rows of the other tokens are zeros and their x (g) rows are
+// not read; an entry with no token in use reads nothing of its matrix, so
+// its codes are not decoded and its row_offsets not validated. The work of
+// a call is proportional to the tokens in use, not to B... x N.
+//
+// Handlers validate everything they read before use and return
+// INVALID_ARGUMENT with a message naming the operand, batch index and row:
+// operand shapes; row_offsets start at 0, never decrease and end within
+// codes; each row decodes to exactly 2 * ceil(cols / 2) weights. Whatever
+// bytes they get, they never read or write out of bounds.
 //
 // CPU specifics: the handlers run on XLA's intra-op thread pool and pick
 // AVX-512, AVX2 or portable code at run time; the environment variable

@@ -1,5 +1,6 @@
 #include "cpu_operands.h"
 
+#include <algorithm>
 #include <map>
 #include <sstream>
 #include <tuple>
@@ -33,8 +34,8 @@ std::vector<int64_t> BatchIndex(Dims dims, const std::vector<int64_t>& batch) {
   return index;
 }
 
-ffi::Error CheckRowOffsets(const char* op, const int32_t* offsets, int64_t rows, int64_t n_codes,
-                           const std::string& where) {
+ffi::Error CheckOffsetsOfMatrix(const char* op, const int32_t* offsets, int64_t rows,
+                                int64_t n_codes, const std::string& where) {
   if (offsets[0] != 0) {
     return ffi::Error::InvalidArgument(Prefix(op) + "row_offsets" + where + " start at " +
                                        std::to_string(offsets[0]) +
@@ -178,14 +179,9 @@ ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buf
   const std::vector<int64_t> codes_index = BatchIndex(codes.dimensions(), leading);
   const std::vector<int64_t> offsets_index = BatchIndex(row_offsets.dimensions(), leading);
   const int64_t n_codes = codes.dimensions().back();
-  const int64_t offsets_matrices = row_offsets.element_count() / (rows + 1);
-  for (int64_t index = 0; index < offsets_matrices; ++index) {
-    if (auto error = CheckRowOffsets(op, row_offsets.typed_data() + index * (rows + 1), rows,
-                                     n_codes, OfBatch(leading, index));
-        error.failure()) {
-      return error;
-    }
-  }
+  operands->row_offsets = row_offsets.typed_data();
+  operands->offsets_matrices = row_offsets.element_count() / (rows + 1);
+  operands->n_codes = n_codes;
   const uint8_t* slot_table = slots.typed_data();
   operands->dictionary = {masks.typed_data(), slot_table,
                           (slot_table[kSlotMetaByte] & kSlotsTableOverflows) != 0};
@@ -198,6 +194,44 @@ ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buf
     operands->matrix_of_batch[b] = {codes.typed_data() + codes_index[b] * n_codes,
                                     row_offsets.typed_data() + offsets_index[b] * (rows + 1),
                                     minmax.typed_data() + minmax_index[b] * rows * 2, b};
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckRowOffsets(const char* op, const CompressedOperands& operands,
+                           const std::vector<int64_t>* used_tokens) {
+  const int64_t per_matrix = operands.rows + 1;
+  std::vector<bool> read(operands.offsets_matrices, used_tokens == nullptr);
+  if (used_tokens != nullptr) {
+    for (int64_t b = 0; b < operands.batch_size; ++b) {
+      if ((*used_tokens)[b] == 0) continue;
+      read[(operands.matrix_of_batch[b].row_offsets - operands.row_offsets) / per_matrix] = true;
+    }
+  }
+  for (int64_t index = 0; index < operands.offsets_matrices; ++index) {
+    if (!read[index]) continue;
+    if (auto error = CheckOffsetsOfMatrix(op, operands.row_offsets + index * per_matrix,
+                                          operands.rows, operands.n_codes,
+                                          OfBatch(operands.batch, index));
+        error.failure()) {
+      return error;
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckCounts(const char* op, ffi::Buffer<ffi::S32> counts,
+                       const std::vector<int64_t>& batch, int64_t tokens,
+                       std::vector<int64_t>* used_tokens) {
+  if (auto error = CheckBroadcastShape(op, "counts", counts.dimensions(),
+                                       "[B...] (tokens in use per batch entry)", batch, {});
+      error.failure()) {
+    return error;
+  }
+  const std::vector<int64_t> counts_index = BatchIndex(counts.dimensions(), batch);
+  used_tokens->resize(counts_index.size());
+  for (size_t b = 0; b < counts_index.size(); ++b) {
+    (*used_tokens)[b] = std::clamp<int64_t>(counts.typed_data()[counts_index[b]], 0, tokens);
   }
   return ffi::Error::Success();
 }
@@ -216,10 +250,12 @@ ffi::Error CheckDense(const char* op, const char* name, Dims dims,
 }
 
 std::vector<TokenGroup> GroupTokens(const CompressedOperands& operands,
-                                    const std::vector<int64_t>& in_batch_index, int64_t tokens) {
+                                    const std::vector<int64_t>& in_batch_index, int64_t tokens,
+                                    const std::vector<int64_t>& used_tokens) {
   std::vector<TokenGroup> groups;
   std::map<std::tuple<const void*, const void*, const void*>, size_t> group_of_matrix;
   for (int64_t b = 0; b < operands.batch_size; ++b) {
+    if (used_tokens[b] == 0) continue;
     const WeightMatrix& matrix = operands.matrix_of_batch[b];
     const auto key = std::make_tuple(static_cast<const void*>(matrix.codes),
                                      static_cast<const void*>(matrix.row_offsets),
@@ -227,7 +263,7 @@ std::vector<TokenGroup> GroupTokens(const CompressedOperands& operands,
     auto [it, inserted] = group_of_matrix.emplace(key, groups.size());
     if (inserted) groups.push_back({matrix, {}, {}});
     TokenGroup& group = groups[it->second];
-    for (int64_t n = 0; n < tokens; ++n) {
+    for (int64_t n = 0; n < used_tokens[b]; ++n) {
       group.in_rows.push_back(in_batch_index[b] * tokens + n);
       group.out_rows.push_back(b * tokens + n);
     }

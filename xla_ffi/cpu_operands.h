@@ -1,7 +1,8 @@
 // Validation of the FFI operands and their leading batch dims B... (see the
-// contract in cpu_kernels.h), and grouping of token rows by weight matrix so
-// that every matrix is decoded once per call, however its tokens arrive
-// (an expert stack, a vmapped axis, or a broadcast matrix).
+// contract in cpu_kernels.h), and grouping of the token rows in use by weight
+// matrix so that every matrix is decoded once per call, however its tokens
+// arrive (an expert stack, a vmapped axis, or a broadcast matrix), and a
+// matrix without tokens in use is not read at all.
 #pragma once
 
 #include <cstdint>
@@ -32,25 +33,41 @@ struct CompressedOperands {
   std::vector<int64_t> batch;                 // B..., the result's leading dims
   int64_t batch_size = 1;                     // product of B...
   std::vector<WeightMatrix> matrix_of_batch;  // one per flat index over B...
+  const int32_t* row_offsets = nullptr;       // the row_offsets operand, not yet validated
+  int64_t offsets_matrices = 0;               // matrices in the row_offsets operand
+  int64_t n_codes = 0;                        // codewords per matrix in the codes operand
 };
 
-// Token rows of one weight matrix: flat row indices into the dense operand
-// (viewed as [*, in_width]) and the result (viewed as [*, out_width]).
+// Token rows in use of one weight matrix: flat row indices into the dense
+// operand (viewed as [*, in_width]) and the result (viewed as [*, out_width]).
 struct TokenGroup {
   WeightMatrix matrix;
   std::vector<int64_t> in_rows;
   std::vector<int64_t> out_rows;
 };
 
-// Checks masks, slots, codes, row_offsets and minmax against a result with
-// leading dims `batch` and `cols` columns; validates every row_offsets
-// matrix. `op` prefixes messages.
+// Checks the shapes of masks, slots, codes, row_offsets and minmax against a
+// result with leading dims `batch` and `cols` columns and locates each batch
+// entry's matrix; reads no row_offsets (CheckRowOffsets does, for the
+// matrices a call reads). `op` prefixes messages.
 xla::ffi::Error CheckCompressed(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
                                 xla::ffi::Buffer<xla::ffi::U8> slots,
                                 xla::ffi::Buffer<xla::ffi::U16> codes,
                                 xla::ffi::Buffer<xla::ffi::S32> row_offsets,
                                 xla::ffi::Buffer<xla::ffi::BF16> minmax, Dims batch, int64_t cols,
                                 CompressedOperands* operands);
+
+// Validates the row_offsets of every matrix that a batch entry with tokens in
+// use reads (used_tokens[b] > 0), or of every matrix when used_tokens is
+// null: they start at 0, never decrease and end within codes.
+xla::ffi::Error CheckRowOffsets(const char* op, const CompressedOperands& operands,
+                                const std::vector<int64_t>* used_tokens);
+
+// Checks counts [B'...] (B' broadcasting to `batch`) and sets used_tokens[b]
+// for each result batch index b: its count clamped to [0, tokens].
+xla::ffi::Error CheckCounts(const char* op, xla::ffi::Buffer<xla::ffi::S32> counts,
+                            const std::vector<int64_t>& batch, int64_t tokens,
+                            std::vector<int64_t>* used_tokens);
 
 // Checks a dense operand [B'..., tokens, width] whose B'... broadcasts to
 // `batch`; sets `in_batch_index[b]`, the operand's flat batch index for each
@@ -59,9 +76,12 @@ xla::ffi::Error CheckDense(const char* op, const char* name, Dims dims,
                            const std::vector<int64_t>& batch, int64_t tokens, int64_t width,
                            std::vector<int64_t>* in_batch_index);
 
-// Groups the result's token rows (batch_size x tokens) by weight matrix.
+// Groups the result's token rows in use (the first used_tokens[b] of the
+// `tokens` rows of each batch entry b) by weight matrix; a matrix without
+// tokens in use gets no group.
 std::vector<TokenGroup> GroupTokens(const CompressedOperands& operands,
-                                    const std::vector<int64_t>& in_batch_index, int64_t tokens);
+                                    const std::vector<int64_t>& in_batch_index, int64_t tokens,
+                                    const std::vector<int64_t>& used_tokens);
 
 // The message for a row that does not decode to padded_cols weights.
 xla::ffi::Error BadRowError(const char* op, const CompressedOperands& operands,

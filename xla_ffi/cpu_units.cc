@@ -52,6 +52,16 @@ void DenseRows::Set(int64_t row, int64_t j, float value) const {
   }
 }
 
+void ZeroUnusedTokens(const DenseRows& out, int64_t tokens,
+                      const std::vector<int64_t>& used_tokens) {
+  const int64_t row_bytes = out.width * (out.bf16 ? sizeof(uint16_t) : sizeof(float));
+  for (size_t b = 0; b < used_tokens.size(); ++b) {
+    const int64_t first = static_cast<int64_t>(b) * tokens + used_tokens[b];
+    std::memset(static_cast<char*>(out.data) + first * row_bytes, 0,
+                (tokens - used_tokens[b]) * row_bytes);
+  }
+}
+
 ffi::Error SelectKernels(const char* op, const RowKernels** kernels) {
   const char* requested = std::getenv("QMOE_CPU_ISA");
   const std::string_view isa = requested ? requested : "";

@@ -27,6 +27,11 @@ struct DenseRows {
 
 float Bf16ToFloat(uint16_t bits);
 
+// Zeros the result rows of the tokens not in use: rows b * tokens + n of
+// `out` for n >= used_tokens[b].
+void ZeroUnusedTokens(const DenseRows& out, int64_t tokens,
+                      const std::vector<int64_t>& used_tokens);
+
 // The row kernels for this call: the best the CPU runs, or QMOE_CPU_ISA's.
 xla::ffi::Error SelectKernels(const char* op, const RowKernels** kernels);
 

@@ -21,7 +21,8 @@ struct MatrixIndex {
   int64_t codes = 0;
   int64_t row_offsets = 0;
   int64_t minmax = 0;
-  int64_t dense = 0;  // x or g
+  int64_t dense = 0;   // x or g
+  int64_t counts = 0;  // the entry's count of tokens in use
 };
 
 struct BatchMap {
@@ -32,6 +33,7 @@ struct BatchMap {
   int64_t row_offsets[kMaxBatchRank] = {};
   int64_t minmax[kMaxBatchRank] = {};
   int64_t dense[kMaxBatchRank] = {};
+  int64_t counts[kMaxBatchRank] = {};
 
   // Constant indices only (a guard instead of a loop bound), so that a kernel
   // reads the map straight from its parameters; 32-bit division (the host
@@ -49,6 +51,7 @@ struct BatchMap {
         index.row_offsets += coordinate * row_offsets[i];
         index.minmax += coordinate * minmax[i];
         index.dense += coordinate * dense[i];
+        index.counts += coordinate * counts[i];
       }
     }
     return index;

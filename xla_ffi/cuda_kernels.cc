@@ -58,7 +58,7 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
                       ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
                       ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
                       ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer x,
-                      ffi::Result<ffi::AnyBuffer> y) {
+                      ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y) {
   const Dims y_dims = y->dimensions();
   const Dims x_dims = x.dimensions();
   if (auto error = CheckDenseArgs(kMatmul, {"x", x.element_type(), x_dims, "cols"},
@@ -66,7 +66,7 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
       error.failure()) {
     return error;
   }
-  const DenseOperand dense{"x", x_dims, /*width_is_rows=*/false};
+  const DenseOperand dense{"x", x_dims, /*width_is_rows=*/false, counts.dimensions()};
   Layout layout;
   if (auto error = CheckOperands(kMatmul, masks, slots, codes, row_offsets, minmax,
                                  Dims(y_dims.begin(), y_dims.size() - 2),
@@ -86,7 +86,8 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
   }
   if (y->element_count() == 0) return ffi::Error::Success();
   const DenseView x_y{x.untyped_data(), y->untyped_data(),
-                      x.element_type() == ffi::DataType::BF16, layout.tokens};
+                      x.element_type() == ffi::DataType::BF16, layout.tokens,
+                      {counts.typed_data(), layout.entry_tokens}};
   if (cudaError_t status = LaunchMatmul(w, x_y, device, stream); status != cudaSuccess) {
     return CudaFailure(kMatmul, "launching the matmul kernel", status);
   }
@@ -97,7 +98,8 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
                                 ffi::ScratchAllocator scratch, ffi::Buffer<ffi::U32> masks,
                                 ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                                ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> dx) {
+                                ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
+                                ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = kMatmulTransposed;
   const Dims dx_dims = dx->dimensions();
   const Dims g_dims = g.dimensions();
@@ -106,7 +108,7 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
       error.failure()) {
     return error;
   }
-  const DenseOperand dense{"g", g_dims, /*width_is_rows=*/true};
+  const DenseOperand dense{"g", g_dims, /*width_is_rows=*/true, counts.dimensions()};
   Layout layout;
   if (auto error = CheckOperands(op, masks, slots, codes, row_offsets, minmax,
                                  Dims(dx_dims.begin(), dx_dims.size() - 2),
@@ -133,8 +135,9 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
   }
   cudaError_t status = cudaMemsetAsync(sums, 0, count * sizeof(float), stream);
   if (status == cudaSuccess && layout.rows > 0) {
-    status = LaunchMatmulTransposed(w, {g.untyped_data(), nullptr, bf16, layout.tokens}, sums,
-                                    device, stream);
+    const DenseView g_view{g.untyped_data(), nullptr, bf16, layout.tokens,
+                           {counts.typed_data(), layout.entry_tokens}};
+    status = LaunchMatmulTransposed(w, g_view, sums, device, stream);
   }
   if (status == cudaSuccess && bf16) {
     status = LaunchRoundToBf16(sums, static_cast<uint16_t*>(dx->untyped_data()), count, device,
@@ -193,6 +196,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // row_offsets i32[B..., rows + 1]
         .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // minmax bf16[B..., rows, 2]
         .Arg<xla::ffi::AnyBuffer>()                     // x f32|bf16[B..., N, cols]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // counts i32[B...], tokens in use
         .Ret<xla::ffi::AnyBuffer>(),                    // y [B..., N, rows]
     {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -208,6 +212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // row_offsets i32[B..., rows + 1]
         .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // minmax bf16[B..., rows, 2]
         .Arg<xla::ffi::AnyBuffer>()                     // g f32|bf16[B..., N, rows]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // counts i32[B...], tokens in use
         .Ret<xla::ffi::AnyBuffer>());                   // dx [B..., N, cols]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(

@@ -11,6 +11,11 @@
 //     NaN (its y entries; all of dx for its tokens; its row of W). The CPU's
 //     errors naming the row come with QMOE_CUDA_VALIDATE=1, at the cost of a
 //     stream synchronization per call (cuda_validate.h explains the choice).
+//   - Tokens in use (counts): the counts are read on the device, so the
+//     kernels skip the entries without tokens in use themselves (no host
+//     round trip; cuda_tokens.cuh). QMOE_CUDA_VALIDATE=1 checks every matrix
+//     of the call, in use or not (stricter than the CPU handlers, which
+//     validate only the matrices they read).
 //   - Sums accumulate in float32; bf16 results are rounded to nearest even.
 //     qmoe_matmul_t adds with atomics, in an order that varies between runs.
 //   - qmoe_matmul and qmoe_dequantize are command-buffer compatible (XLA may

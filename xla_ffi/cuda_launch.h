@@ -13,6 +13,10 @@
 //               waves of resident blocks (multiprocessor count times the
 //               occupancy of that kernel at that shared-memory size); each
 //               team then loops over rows, so x is staged once per block.
+//               The matmul kernels fold the batch into the row dim instead
+//               (x blocks x token tiles) and hand out rows of the entries
+//               with tokens in use only (cuda_tokens.cuh), so that one
+//               expert in use gets the whole grid.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -41,19 +45,27 @@ struct CompressedView {
   BatchMap batch;
 };
 
+// The counts operand: tokens in use per batch entry (cpu_kernels.h).
+struct TokenCounts {
+  const int32_t* counts;  // on the device, located by MatrixIndex::counts
+  int64_t entry_tokens;   // N, the tokens of one result batch entry; a count is clamped to it
+};
+
 // The dense operand and result of matmul (x, y) or matmul_t (g, dx).
 struct DenseView {
   const void* input;
   void* output;
-  bool bf16;       // else float32
-  int64_t tokens;  // per matrix, after folding
+  bool bf16;           // else float32
+  int64_t tokens;      // per matrix, after folding
+  TokenCounts counts;  // which of them are in use
 };
 
-// y = W x, written in the dtype of x.
+// y = W x, written in the dtype of x; zero rows for the tokens not in use.
 cudaError_t LaunchMatmul(const CompressedView& w, const DenseView& x_y, int device,
                          cudaStream_t stream);
 
-// sums[B, N, cols] += Wᵀ g in float32 (atomically; zero `sums` first).
+// sums[B, N, cols] += Wᵀ g in float32 for the tokens in use (atomically;
+// zero `sums` first).
 cudaError_t LaunchMatmulTransposed(const CompressedView& w, const DenseView& g, float* sums,
                                    int device, cudaStream_t stream);
 

@@ -6,10 +6,16 @@
 // and one FMA per token, so each codeword is decoded once per tile rather
 // than once per token. Sums stay in float32 registers, are reduced over the
 // team with warp shuffles, and are rounded once into y's dtype.
+//
+// Only the tokens in use are staged and computed, and only the rows of the
+// entries that have any are decoded (the schedule is in cuda_tokens.cuh);
+// the y rows of the other tokens are zeroed by the same kernel afterwards,
+// so every element of y is written once.
 #include <cuda_bf16.h>
 
 #include "cuda_decode.cuh"
 #include "cuda_launch.h"
+#include "cuda_tokens.cuh"
 
 namespace qmoe::cuda {
 namespace {
@@ -63,13 +69,13 @@ __device__ __forceinline__ void LoadColumn(const __nv_bfloat16* staged,
 }
 
 // Copies tokens first .. first + kTokens - 1 of x (rows of `cols`) to
-// staged[j * kTokens + t]; tokens past the end are zeros.
+// staged[j * kTokens + t]; tokens not in `in_use` (bit t) are zeros.
 template <int kTokens, typename T>
-__device__ void StageTokens(const T* __restrict__ x, int64_t tokens, int64_t first, int32_t cols,
+__device__ void StageTokens(const T* __restrict__ x, uint32_t in_use, int64_t first, int32_t cols,
                             T* staged) {
 #pragma unroll
   for (int t = 0; t < kTokens; ++t) {
-    if (first + t < tokens) {
+    if ((in_use >> t) & 1u) {
       const T* row = x + (first + t) * cols;
       for (int32_t j = threadIdx.x; j < cols; j += blockDim.x) staged[j * kTokens + t] = row[j];
     } else {
@@ -80,31 +86,53 @@ __device__ void StageTokens(const T* __restrict__ x, int64_t tokens, int64_t fir
   }
 }
 
+// Writes zeros to the y rows of the tokens not in use; the grid's warps take
+// (entry, token) pairs in turn.
+template <typename T>
+__device__ void ZeroUnusedTokens(const BatchMap& batch, const TokenCounts& counts,
+                                 int64_t tokens, int32_t rows, T* __restrict__ y) {
+  constexpr int64_t kWarps = kBlockThreads / 32;
+  const int64_t warp = (int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t warps = int64_t{gridDim.x} * gridDim.y * kWarps;
+  for (int64_t pair = warp; pair < batch.size * tokens; pair += warps) {
+    const int64_t token = pair % tokens;
+    if (token % counts.entry_tokens < UsedTokens(counts, batch.Locate(pair / tokens))) continue;
+    T* out = y + pair * rows;
+    for (int32_t r = threadIdx.x % 32; r < rows; r += 32) out[r] = FromFloat<T>(0.0f);
+  }
+}
+
 // kStaged: x tiles in shared memory; else (one token per tile) x is read from
 // global memory, for rows too wide to stage.
 template <int kTeam, int kTokens, typename T, bool kStaged>
 __global__ void __launch_bounds__(kBlockThreads, 1)
-    MatmulKernel(const CompressedView w, const T* __restrict__ x, T* __restrict__ y,
-                 int64_t tokens) {
+    MatmulKernel(const CompressedView w, const TokenCounts counts, const T* __restrict__ x,
+                 T* __restrict__ y, int64_t tokens) {
   static_assert(kStaged || kTokens == 1, "unstaged x goes one token at a time");
   extern __shared__ __align__(16) unsigned char shared[];
   T* staged = reinterpret_cast<T*>(shared);
   const Team<kTeam> team;
   const int64_t tiles = CeilDiv(tokens, kTokens);
-  for (int64_t b = blockIdx.z; b < w.batch.size; b += gridDim.z) {
+  EntriesInUse entries(w.batch, counts, CeilDiv(w.rows, Team<kTeam>::kPerBlock));
+  for (int64_t item = blockIdx.x; item < entries.items(); item += gridDim.x) {
+    const int64_t b = entries.Entry(item);
+    const int64_t slice = item % entries.slices();
     const MatrixIndex index = w.batch.Locate(b);
     const MatrixView matrix = MatrixView::Of(w, index);
+    const int64_t used = UsedTokens(counts, index);
     const T* x_matrix = x + index.dense;
     T* y_matrix = y + b * tokens * w.rows;
     for (int64_t tile = blockIdx.y; tile < tiles; tile += gridDim.y) {
       const int64_t first = tile * kTokens;
+      const uint32_t in_use = TileInUse<kTokens>(counts, used, first, tokens);
+      if (in_use == 0) continue;
       if constexpr (kStaged) {
         __syncthreads();  // every team is done with the previous tile
-        StageTokens<kTokens>(x_matrix, tokens, first, w.cols, staged);
+        StageTokens<kTokens>(x_matrix, in_use, first, w.cols, staged);
         __syncthreads();
       }
-      for (int64_t row = int64_t{blockIdx.x} * Team<kTeam>::kPerBlock + Team<kTeam>::InBlock();
-           row < w.rows; row += int64_t{gridDim.x} * Team<kTeam>::kPerBlock) {
+      for (int64_t row = slice * Team<kTeam>::kPerBlock + Team<kTeam>::InBlock(); row < w.rows;
+           row += entries.slices() * Team<kTeam>::kPerBlock) {
         const float row_min = Bf16BitsToFloat(__ldg(matrix.minmax + 2 * row));
         const float row_max = Bf16BitsToFloat(__ldg(matrix.minmax + 2 * row + 1));
         float sums[kTokens] = {};
@@ -127,13 +155,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 #pragma unroll
         for (int t = 0; t < kTokens; ++t) {
           const float sum = team.Sum(sums[t]);
-          if (t % kTeam == team.lane() && first + t < tokens) {
+          if (t % kTeam == team.lane() && ((in_use >> t) & 1u)) {
             y_matrix[(first + t) * w.rows + row] = FromFloat<T>(ok ? sum : CUDART_NAN_F);
           }
         }
       }
     }
   }
+  ZeroUnusedTokens(w.batch, counts, tokens, w.rows, y);
 }
 
 template <int kTeam, int kTokens, typename T, bool kStaged>
@@ -141,11 +170,12 @@ cudaError_t Launch(const CompressedView& w, const DenseView& x_y, int device,
                    cudaStream_t stream) {
   const auto kernel = &MatmulKernel<kTeam, kTokens, T, kStaged>;
   const int64_t shared_bytes = kStaged ? int64_t{w.cols} * kTokens * int64_t{sizeof(T)} : 0;
+  // The batch folds into x (cuda_tokens.cuh).
   const dim3 grid = GridFor(reinterpret_cast<const void*>(kernel), shared_bytes,
-                            CeilDiv(w.rows, Team<kTeam>::kPerBlock),
-                            CeilDiv(x_y.tokens, kTokens), w.batch.size, device);
+                            CeilDiv(w.rows, Team<kTeam>::kPerBlock) * w.batch.size,
+                            CeilDiv(x_y.tokens, kTokens), /*batch=*/1, device);
   kernel<<<grid, kBlockThreads, shared_bytes, stream>>>(
-      w, static_cast<const T*>(x_y.input), static_cast<T*>(x_y.output), x_y.tokens);
+      w, x_y.counts, static_cast<const T*>(x_y.input), static_cast<T*>(x_y.output), x_y.tokens);
   return cudaGetLastError();
 }
 

@@ -55,6 +55,7 @@ ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffe
       BatchStrides(row_offsets.dimensions(), leading.size());
   const std::vector<int64_t> minmax_strides = BatchStrides(minmax.dimensions(), leading.size());
   std::vector<int64_t> dense_strides(leading.size(), 0);
+  std::vector<int64_t> counts_strides(leading.size(), 0);
   if (dense != nullptr) {
     const int64_t width = dense->width_is_rows ? rows : cols;
     if (auto error = cpu::CheckBroadcastShape(op, dense->name, dense->dims,
@@ -64,15 +65,23 @@ ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffe
         error.failure()) {
       return error;
     }
+    if (auto error = cpu::CheckBroadcastShape(op, "counts", dense->counts_dims,
+                                              "[B...] (tokens in use per batch entry)", leading,
+                                              {});
+        error.failure()) {
+      return error;
+    }
     dense_strides = BatchStrides(dense->dims, leading.size());
+    counts_strides = BatchStrides(dense->counts_dims, leading.size());
   }
 
-  // Fold trailing leading dims over which the matrix is broadcast into the tokens.
+  // Fold trailing leading dims over which the matrix and the counts are
+  // broadcast into the tokens.
   size_t rank = leading.size();
   int64_t fold = 1;
   while (dense != nullptr && rank > 0 && codes_strides[rank - 1] == 0 &&
          offsets_strides[rank - 1] == 0 && minmax_strides[rank - 1] == 0 &&
-         dense->dims[rank - 1] == leading[rank - 1]) {
+         counts_strides[rank - 1] == 0 && dense->dims[rank - 1] == leading[rank - 1]) {
     fold *= leading[rank - 1];
     --rank;
   }
@@ -94,6 +103,7 @@ ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffe
   layout->offsets_matrices = row_offsets.element_count() / (rows + 1);
   layout->result_batch = leading;
   layout->fold = fold;
+  layout->entry_tokens = tokens;
   layout->tokens = tokens * fold;
   BatchMap& map = layout->batch;
   map.rank = static_cast<int>(rank);
@@ -105,6 +115,7 @@ ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffe
     map.row_offsets[i] = offsets_strides[i];
     map.minmax[i] = minmax_strides[i];
     map.dense[i] = dense_strides[i];
+    map.counts[i] = counts_strides[i];
   }
   return ffi::Error::Success();
 }

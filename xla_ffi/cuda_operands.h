@@ -7,10 +7,10 @@
 // within codes, rows decoding to the right width) is checked on the device
 // (cuda_validate.h).
 //
-// Trailing leading dims over which every compressed operand broadcasts while
-// the dense operand does not (what vmap of an op over tokens produces) are
-// folded into the token dim, so that such a matrix is decoded once for all of
-// those tokens.
+// Trailing leading dims over which every compressed operand and the counts
+// broadcast while the dense operand does not (what vmap of an op over tokens
+// produces) are folded into the token dim, so that such a matrix is decoded
+// once for all of those tokens.
 #pragma once
 
 #include <cstdint>
@@ -32,20 +32,23 @@ struct Layout {
   int64_t offsets_matrices = 0;       // matrices in the row_offsets operand
   std::vector<int64_t> result_batch;  // B... of the result, for messages
   int64_t fold = 1;                   // result batch entries folded into each token group
+  int64_t entry_tokens = 0;           // N: tokens of one result batch entry, as counts count
   int64_t tokens = 0;                 // tokens per matrix after folding: N * fold
   BatchMap batch;                     // leading dims left after folding
 };
 
-// The dense operand of matmul (x, width cols) or matmul_t (g, width rows).
+// The dense operand of matmul (x, width cols) or matmul_t (g, width rows), and
+// the counts of its tokens in use.
 struct DenseOperand {
   const char* name;
   xla::ffi::Span<const int64_t> dims;  // [B..., N, width]
   bool width_is_rows;
+  xla::ffi::Span<const int64_t> counts_dims;  // [B...]
 };
 
 // Checks masks, slots, codes, row_offsets, minmax and (if given) the dense
-// operand against a result with leading dims `batch`, N = `tokens` and `cols`
-// columns of W; fills `layout`. `op` prefixes messages.
+// operand and its counts against a result with leading dims `batch`, N =
+// `tokens` and `cols` columns of W; fills `layout`. `op` prefixes messages.
 xla::ffi::Error CheckOperands(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
                               xla::ffi::Buffer<xla::ffi::U8> slots,
                               xla::ffi::Buffer<xla::ffi::U16> codes,

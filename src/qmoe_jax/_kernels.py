@@ -3,8 +3,9 @@ CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON).
 
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
-N tokens per matrix. The dictionary enters every call as two constants, its
-``masks`` and its sparse ``slots`` form (xla_ffi/qmoe_format.h).
+N tokens per matrix, of which ``counts[B...]`` (int32, clamped to [0, N]) are
+in use: the first ones along N. The dictionary enters every call as two
+constants, its ``masks`` and its sparse ``slots`` form (xla_ffi/qmoe_format.h).
 """
 
 from __future__ import annotations
@@ -114,17 +115,26 @@ def _call(target: str, static: Static, codes, row_offsets, minmax, *dense, resul
     )
 
 
-def matmul_call(static: Static, codes, row_offsets, minmax, x):
-    """y[B..., N, rows] = W·x for x[B..., N, cols]; no autodiff rule."""
+def all_tokens(dense) -> np.ndarray:
+    """Counts for a dense operand [B..., N, width] with every token in use: int32[1...] = N."""
+    return np.full((1,) * (dense.ndim - 2), dense.shape[-2], np.int32)
+
+
+def matmul_call(static: Static, codes, row_offsets, minmax, x, counts):
+    """y[B..., N, rows] = W·x for x[B..., N, cols]; zero rows for tokens n >= counts[B...].
+
+    No autodiff rule. ``counts`` is int32 with the leading dims of x (each
+    equal or 1); ``all_tokens(x)`` computes every token.
+    """
     rows = minmax.shape[-2]
     result = jax.ShapeDtypeStruct((*x.shape[:-1], rows), x.dtype)
-    return _call(MATMUL, static, codes, row_offsets, minmax, x, result=result)
+    return _call(MATMUL, static, codes, row_offsets, minmax, x, counts, result=result)
 
 
-def matmul_transposed_call(static: Static, codes, row_offsets, minmax, g):
-    """dx[B..., N, cols] = Wᵀ·g for g[B..., N, rows]."""
+def matmul_transposed_call(static: Static, codes, row_offsets, minmax, g, counts):
+    """dx[B..., N, cols] = Wᵀ·g for g[B..., N, rows]; zero rows for tokens n >= counts[B...]."""
     result = jax.ShapeDtypeStruct((*g.shape[:-1], static.cols), g.dtype)
-    return _call(MATMUL_TRANSPOSED, static, codes, row_offsets, minmax, g, result=result)
+    return _call(MATMUL_TRANSPOSED, static, codes, row_offsets, minmax, g, counts, result=result)
 
 
 def dequantize_call(static: Static, codes, row_offsets, minmax):
@@ -137,18 +147,22 @@ def dequantize_call(static: Static, codes, row_offsets, minmax):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def matmul(static: Static, codes, row_offsets, minmax, x):
-    """``matmul_call`` with the input gradient Wᵀ·g; W itself gets zero cotangents."""
-    return matmul_call(static, codes, row_offsets, minmax, x)
+def matmul(static: Static, codes, row_offsets, minmax, x, counts):
+    """``matmul_call`` with the input gradient Wᵀ·g (zero for tokens not in use);
+    W itself gets zero cotangents."""
+    return matmul_call(static, codes, row_offsets, minmax, x, counts)
 
 
-def _matmul_forward(static, codes, row_offsets, minmax, x):
-    return matmul_call(static, codes, row_offsets, minmax, x), (codes, row_offsets, minmax)
+def _matmul_forward(static, codes, row_offsets, minmax, x, counts):
+    y = matmul_call(static, codes, row_offsets, minmax, x, counts)
+    return y, (codes, row_offsets, minmax, counts)
 
 
 def _matmul_backward(static, residuals, g):
+    codes, row_offsets, minmax, counts = residuals
+    dx = matmul_transposed_call(static, codes, row_offsets, minmax, g, counts)
     # None: a zero cotangent of the right type (float0 for the integer arrays).
-    return None, None, None, matmul_transposed_call(static, *residuals, g)
+    return None, None, None, dx, None
 
 
 matmul.defvjp(_matmul_forward, _matmul_backward)

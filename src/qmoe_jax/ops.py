@@ -8,6 +8,16 @@ sharing a matrix (each row is decoded once for all of them), ``dequantize``
 for the dense bf16 matrix. Sums accumulate in float32; results have the
 dtype of x (float32 or bfloat16).
 
+Routing-aware execution: ``matvec`` and ``matmul`` take ``counts``, the
+tokens in use of each matrix (int32[E] for a stack, a scalar for a matrix):
+only the first counts[e] tokens of x[e] are computed, the others give zero
+rows (and zero input gradients) and are not read, and an expert whose count
+is 0 is skipped: its codes are not decoded and its row offsets not checked.
+Counts are clamped to [0, N] (N: tokens per matrix), so a router's token
+count per expert, which exceeds N when tokens are dropped at capacity, can be
+passed as is. The work of a call follows the tokens in use: a decoding step
+of one token in a stack of 128 experts decodes one expert.
+
 Autodiff: the compressed weights are frozen (their cotangents are zero, as
 in QMoE fine-tuning of the dense layers); the input gradient Wᵀ·g is another
 fused call on the compressed form. vmap folds mapped axes into the kernels'
@@ -35,7 +45,8 @@ from qmoe_jax.codec.dictionary import Dictionary
 from qmoe_jax.codec.reference import decode_codes_jnp
 
 Compressed = CompressedMatrix | CompressedExperts
-# core(static, codes, row_offsets, minmax, x[B..., N, cols]) -> y[B..., N, rows]
+# core(static, codes, row_offsets, minmax, x[B..., N, cols], counts int32[B...])
+#   -> y[B..., N, rows]
 _Core = Callable[..., jax.Array]
 
 cpu_isas = _kernels.cpu_isas
@@ -87,13 +98,34 @@ def _token_input(w: Compressed, x_tokens) -> jax.Array:
     return x_tokens
 
 
-def _apply(core: _Core, w: Compressed, x: jax.Array, dictionary: Dictionary) -> jax.Array:
-    """y[B..., tokens..., rows] for x[B..., tokens..., cols]; B = (E,) for a stack."""
+def _token_counts(counts, tokens: jax.Array) -> jax.Array:
+    """The kernels' counts for tokens [B..., N, cols] (B = (E,) for a stack, () for a
+    matrix): ``counts`` as int32[B...], or int32[1...] = N when it is None."""
+    if counts is None:
+        return _kernels.all_tokens(tokens)
+    counts = jnp.asarray(counts)
+    batch = tokens.shape[:-2]
+    if not jnp.issubdtype(counts.dtype, jnp.integer):
+        raise TypeError(f"counts must be an integer array (int32), got {counts.dtype}")
+    if counts.shape != batch:
+        what = f"int32[{batch[0]}], one count per expert" if batch else "an int32 scalar"
+        raise ValueError(f"counts must be {what}; got shape {counts.shape}")
+    if counts.dtype != jnp.int32:  # clamp before narrowing, so that no count wraps around
+        counts = jnp.clip(counts, 0, tokens.shape[-2]).astype(jnp.int32)
+    return counts
+
+
+def _apply(core: _Core, w: Compressed, x: jax.Array, dictionary: Dictionary, counts) -> jax.Array:
+    """y[B..., tokens..., rows] for x[B..., tokens..., cols]; B = (E,) for a stack.
+
+    counts (int32[B...] or None) counts the tokens in use over the tokens...
+    dims flattened in row-major order.
+    """
     batch = x.shape[:1] if isinstance(w, CompressedExperts) else ()
     token_shape = x.shape[len(batch) : -1]
     tokens = x.reshape(*batch, math.prod(token_shape), w.cols)
     static = _kernels.Static(dictionary, w.cols)
-    y = core(static, *_frozen_arrays(w), tokens)
+    y = core(static, *_frozen_arrays(w), tokens, _token_counts(counts, tokens))
     return y.reshape(*batch, *token_shape, w.rows)
 
 
@@ -115,15 +147,16 @@ def _dense_weights(dictionary: Dictionary, codes, row_offsets, minmax, cols: int
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _reference_core(static, codes, row_offsets, minmax, x):
+def _reference_core(static, codes, row_offsets, minmax, x, counts):
     dtype = x.dtype
     dense = _dense_weights(static.dictionary, codes, row_offsets, minmax, static.cols)
     x = x.astype(jnp.float32)
     y = jnp.einsum("...nc,...rc->...nr", x, dense, precision=jax.lax.Precision.HIGHEST)
-    return y.astype(dtype)
+    in_use = jnp.arange(x.shape[-2]) < counts[..., None]  # [B..., N]
+    return jnp.where(in_use[..., None], y, 0.0).astype(dtype)
 
 
-def matvec(w: Compressed, x, dictionary: Dictionary) -> jax.Array:
+def matvec(w: Compressed, x, dictionary: Dictionary, counts=None) -> jax.Array:
     """y = W·x without materializing W.
 
     Args:
@@ -131,15 +164,20 @@ def matvec(w: Compressed, x, dictionary: Dictionary) -> jax.Array:
       x: float32 or bfloat16 [..., cols] for a matrix; [E, ..., cols] for a
         stack (expert e multiplies x[e]).
       dictionary: the dictionary ``w`` was encoded with.
+      counts: optional tokens in use, int32[E] for a stack (an int32 scalar
+        for a matrix), counted over the ``...`` dims flattened in row-major
+        order (for x [E, cols], 1 if expert e is used, 0 if not). Entries
+        past the count give zeros and are not read; clamped to [0, tokens].
+        None: every entry.
 
     Returns:
       [..., rows] (or [E, ..., rows]) in the dtype of x. All leading entries
       go through one kernel call, each row decoded once for all of them.
     """
-    return _apply(_kernels.matmul, w, _dense_input(w, x, "x"), dictionary)
+    return _apply(_kernels.matmul, w, _dense_input(w, x, "x"), dictionary, counts)
 
 
-def matmul(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
+def matmul(w: Compressed, x_tokens, dictionary: Dictionary, counts=None) -> jax.Array:
     """Y = X·Wᵀ for N tokens routed to the same matrix, decoding W once.
 
     Args:
@@ -147,11 +185,16 @@ def matmul(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
       x_tokens: float32 or bfloat16 [N, cols] for a matrix; [E, C, cols]
         (C tokens dispatched to each expert) for a stack.
       dictionary: the dictionary ``w`` was encoded with.
+      counts: optional tokens in use: int32[E] for a stack (an int32 scalar
+        for a matrix). Only x_tokens[e, :counts[e]] are computed; the other
+        rows of the result (and of the input gradient) are zeros and those
+        of x_tokens are not read; an expert with count 0 is not decoded.
+        Clamped to [0, C]; None: all C.
 
     Returns:
       [N, rows] (or [E, C, rows]) in the dtype of x_tokens.
     """
-    return _apply(_kernels.matmul, w, _token_input(w, x_tokens), dictionary)
+    return _apply(_kernels.matmul, w, _token_input(w, x_tokens), dictionary, counts)
 
 
 def dequantize(w: Compressed, dictionary: Dictionary) -> jax.Array:
@@ -160,14 +203,15 @@ def dequantize(w: Compressed, dictionary: Dictionary) -> jax.Array:
     return _kernels.dequantize_call(static, *_frozen_arrays(w))
 
 
-def matvec_reference(w: Compressed, x, dictionary: Dictionary) -> jax.Array:
-    """``matvec`` in pure jnp: decode W densely, then multiply in float32."""
-    return _apply(_reference_core, w, _dense_input(w, x, "x"), dictionary)
+def matvec_reference(w: Compressed, x, dictionary: Dictionary, counts=None) -> jax.Array:
+    """``matvec`` in pure jnp: decode W densely, multiply in float32, zero the
+    entries not in use."""
+    return _apply(_reference_core, w, _dense_input(w, x, "x"), dictionary, counts)
 
 
-def matmul_reference(w: Compressed, x_tokens, dictionary: Dictionary) -> jax.Array:
+def matmul_reference(w: Compressed, x_tokens, dictionary: Dictionary, counts=None) -> jax.Array:
     """``matmul`` in pure jnp."""
-    return _apply(_reference_core, w, _token_input(w, x_tokens), dictionary)
+    return _apply(_reference_core, w, _token_input(w, x_tokens), dictionary, counts)
 
 
 def dequantize_reference(w: Compressed, dictionary: Dictionary) -> jax.Array:
@@ -179,29 +223,32 @@ def expert_parallel(op: Callable, mesh: jax.sharding.Mesh, axis: str = "expert")
     """Runs ``op`` expert-locally on a stack sharded over devices along E.
 
     Args:
-      op: ``matvec``, ``matmul`` or a twin, called as op(w, x, dictionary).
+      op: ``matvec``, ``matmul`` or a twin, called as op(w, x, dictionary)
+        or op(w, x, dictionary, counts).
       mesh: a mesh with an axis named ``axis``; E must divide by its size.
       axis: the mesh axis the experts are sharded over.
 
     Returns:
-      f(w: CompressedExperts, x [E, ...], dictionary) -> [E, ...], sharded
-      along E. Each device calls the kernel on its own experts (one call for
-      all of them), so neither weights nor tokens are all-gathered. Inside
-      your own ``jax.shard_map``, call the ops directly with
-      ``check_vma=False``, as here.
+      f(w: CompressedExperts, x [E, ...], dictionary, counts=None) -> [E, ...],
+      sharded along E, with counts int32[E] sharded like the experts. Each
+      device calls the kernel on its own experts (one call for all of them),
+      so neither weights nor tokens are all-gathered. Inside your own
+      ``jax.shard_map``, call the ops directly with ``check_vma=False``, as
+      here.
     """
     spec = jax.sharding.PartitionSpec(axis)
 
-    def sharded(w: CompressedExperts, x, dictionary: Dictionary) -> jax.Array:
+    def sharded(w: CompressedExperts, x, dictionary: Dictionary, counts=None) -> jax.Array:
+        arrays = (w, x) if counts is None else (w, x, counts)
         # check_vma=False: FFI results carry no varying-axes type, which the
         # input gradient of a custom_vjp would otherwise have to match.
         local = jax.shard_map(
-            lambda w, x: op(w, x, dictionary),
+            lambda w, x, *counts: op(w, x, dictionary, *counts),
             mesh=mesh,
-            in_specs=(spec, spec),
+            in_specs=(spec,) * len(arrays),
             out_specs=spec,
             check_vma=False,
         )
-        return local(w, x)
+        return local(*arrays)
 
     return sharded
