@@ -1,0 +1,81 @@
+"""How every ``python -m qmoe_jax.*`` command ends: a short message for expected errors, a resume hint on interrupts.
+
+Wrap a command's ``main(argv)`` in ``run_cli``:
+
+- an expected error (a ``ValueError``, which every checkpoint and option error
+  is, an ``OSError`` such as a missing file or a full disk, or the bundled
+  corpus being unavailable) prints ``error: <message>`` and exits 1;
+- Ctrl-C (SIGINT) and SIGTERM print ``interrupted`` and exit 130 and 143;
+- anything else is a bug and keeps its traceback.
+
+A command adds what to do next to an error or an interrupt as an exception
+note (``error.add_note("re-run the same command to resume ...")``); the notes
+are printed after the message. ``--debug`` (add it with ``add_debug_flag``) or
+``QMOE_JAX_DEBUG=1`` prints the traceback of expected errors too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+
+from qmoe_jax.data.corpus import CorpusUnavailable
+
+DEBUG_FLAG = "--debug"
+DEBUG_ENVIRONMENT = "QMOE_JAX_DEBUG"
+EXPECTED_ERRORS = (ValueError, OSError, CorpusUnavailable)
+EXIT_ERROR = 1
+EXIT_SIGINT = 128 + signal.SIGINT
+EXIT_SIGTERM = 128 + signal.SIGTERM
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C raises ``KeyboardInterrupt``, so that the same cleanup runs."""
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(DEBUG_FLAG, action="store_true",
+                        help=f"print the Python traceback of an error (also {DEBUG_ENVIRONMENT}=1)")
+
+
+def _debugging(argv: list[str]) -> bool:
+    return DEBUG_FLAG in argv or os.environ.get(DEBUG_ENVIRONMENT, "") not in ("", "0")
+
+
+def _terminate(signal_number, frame) -> None:
+    raise Terminated()
+
+
+def _message(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        return f"{error.strerror}: {error.filename}"
+    return str(error) or type(error).__name__
+
+
+def _with_notes(text: str, error: BaseException) -> str:
+    return "; ".join([text] + list(getattr(error, "__notes__", [])))
+
+
+def run_cli(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
+    """Runs ``main(argv)`` (default: the process's arguments) and turns its expected failures into exit codes."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    debug = _debugging(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        main(argv)
+    except KeyboardInterrupt as interruption:
+        if debug:
+            traceback.print_exc()
+        print(_with_notes("interrupted", interruption), file=sys.stderr, flush=True)
+        sys.exit(EXIT_SIGTERM if isinstance(interruption, Terminated) else EXIT_SIGINT)
+    except EXPECTED_ERRORS as error:
+        if debug:
+            traceback.print_exc()
+        print(_with_notes(f"error: {_message(error)}", error), file=sys.stderr, flush=True)
+        sys.exit(EXIT_ERROR)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
