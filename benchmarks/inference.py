@@ -78,6 +78,7 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
 
     from qmoe_jax.checkpoints import path_shapes
     from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
+    from qmoe_jax.checkpoints.layer_arrays import ternary_arrays
     from qmoe_jax.codec import build_dictionary, encode_experts
     from qmoe_jax.models import param_shapes
     from qmoe_jax.models.mlp import kernel_names
@@ -115,10 +116,8 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
             del draws
             scale = rng.random((experts, rows, 1), dtype=np.float32) * 0.1
             minmax = np.concatenate([-scale, scale], axis=-1).astype(ml_dtypes.bfloat16)
-            stack = encode_experts(codes, minmax, dictionary)
+            arrays[kernel] = ternary_arrays([encode_experts(codes, minmax, dictionary)])
             del codes
-            arrays[kernel] = {"codes": np.asarray(stack.codes), "row_offsets": np.asarray(stack.row_offsets),
-                              "minmax": minmax}
         writer.write_layer(name, arrays, {"dictionary": fingerprint})
         print(f"  synthetic {config.name}: {number}/{len(sparse)} sparse layers written", flush=True)
     writer.finalize({})

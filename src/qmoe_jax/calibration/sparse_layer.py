@@ -18,7 +18,8 @@ import numpy as np
 
 from qmoe_jax.calibration.experts import (ExpertCompressionConfig, QuantizedKernel, gather_group, group_outputs,
                                           hessian_token_cap, original_expert_outputs, quantize_kernels, sort_by_expert)
-from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes, encode_experts
+from qmoe_jax.checkpoints.layer_arrays import compressed_stack, kbit_arrays, kernel_cols, ternary_arrays
+from qmoe_jax.codec import Dictionary, decode_codes, encode_experts
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import kernel_names
 
@@ -76,17 +77,6 @@ def _groups(num_experts: int, group_size: int) -> list[range]:
     return [range(start, min(start + group_size, num_experts)) for start in range(0, num_experts, group_size)]
 
 
-def _stack_arrays(stacks: list[CompressedExperts]) -> dict[str, np.ndarray]:
-    """Concatenates per-group stacks into one layer stack (codes padded to the longest expert)."""
-    length = max(s.codes.shape[1] for s in stacks)
-    codes = np.concatenate([np.pad(np.asarray(s.codes), ((0, 0), (0, length - s.codes.shape[1]))) for s in stacks])
-    return {
-        "codes": codes,
-        "row_offsets": np.concatenate([np.asarray(s.row_offsets) for s in stacks]),
-        "minmax": np.concatenate([np.asarray(s.minmax) for s in stacks]),
-    }
-
-
 def _kernel_stats(zeros: int, shape: tuple[int, int, int], arrays: dict, ternary: bool) -> dict:
     experts, rows, cols = shape
     stats = {"zero_fraction": zeros / (experts * rows * cols), "rows": rows, "cols": cols}
@@ -135,10 +125,7 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         for name, kernel in quantized.items():
             zeros[name] += int(np.count_nonzero(kernel.codes == 0))
             shapes[name] = (config.num_experts,) + kernel.codes.shape[1:]
-            if ternary:
-                stored[name].append(encode_experts(kernel.codes, kernel.grid_params, dictionary))
-            else:
-                stored[name].append({"codes": kernel.codes, "grid_params": kernel.grid_params})
+            stored[name].append(encode_experts(kernel.codes, kernel.grid_params, dictionary) if ternary else kernel)
         seconds["encode"] += time.perf_counter() - started
         started = time.perf_counter()
         values, gates = _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
@@ -151,9 +138,9 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
     kernel_stats = {}
     for name in names:
         if ternary:
-            arrays[name] = _stack_arrays(stored[name])
+            arrays[name] = ternary_arrays(stored[name])
         else:
-            arrays[name] = {key: np.concatenate([s[key] for s in stored[name]]) for key in ("codes", "grid_params")}
+            arrays[name] = kbit_arrays([s.codes for s in stored[name]], [s.grid_params for s in stored[name]])
         kernel_stats[name] = _kernel_stats(zeros[name], shapes[name], arrays[name], ternary)
     counts = np.diff(starts)
     stats = {
@@ -182,19 +169,16 @@ def replay_layer(config: SwitchConfig, settings: ExpertCompressionConfig, tokens
         group = gather_group(order, starts, experts, tokens.premask, cap)
         inputs = np.where(group.valid[..., None], tokens.inputs[group.rows], 0.0).astype(np.float32)
         quantized = {}
+        part = slice(experts.start, experts.stop)
         for name, stored in arrays.items():
-            part = {key: np.asarray(value)[experts.start : experts.stop] for key, value in stored.items()}
             if ternary:
-                stack = CompressedExperts(part["codes"], part["row_offsets"], part["minmax"], _cols(config, name))
-                quantized[name] = QuantizedKernel(decode_codes(stack, dictionary), part["minmax"])
+                stack = compressed_stack(stored, kernel_cols(name, config.d_model, config.d_ff), part)
+                quantized[name] = QuantizedKernel(decode_codes(stack, dictionary), stack.minmax)
             else:
-                quantized[name] = QuantizedKernel(part["codes"], part["grid_params"])
+                quantized[name] = QuantizedKernel(np.asarray(stored["codes"])[part],
+                                                  np.asarray(stored["grid_params"])[part])
         _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
     return outputs
-
-
-def _cols(config: SwitchConfig, kernel: str) -> int:
-    return config.d_ff if kernel == "wo" else config.d_model
 
 
 def _write_outputs(config, settings, quantized, tokens: LayerTokens, group, inputs, outputs):

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointError
+from qmoe_jax.checkpoints.layer_arrays import check_kernel_arrays, compressed_stack, kernel_cols
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes
 from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.compressed_experts import compressed_experts_cls
@@ -51,15 +52,10 @@ class CompressedModel:
         return SwitchTransformer(self.config, experts_cls=compressed_experts_cls(self.dictionaries, self.mesh))
 
 
-def _stack(arrays: dict, cols: int) -> CompressedExperts:
-    return CompressedExperts(jnp.asarray(arrays["codes"]), jnp.asarray(arrays["row_offsets"]),
-                             jnp.asarray(arrays["minmax"]), cols)
-
-
 def dequantized_kernel(arrays: dict, grid: GridConfig, cols: int, dictionary: Dictionary | None) -> np.ndarray:
     """T5X-oriented float32 kernel [E, in, out] of one stored expert kernel."""
     if grid.kind == "ternary":
-        codes, params = decode_codes(_stack(arrays, cols), dictionary), np.asarray(arrays["minmax"])
+        codes, params = decode_codes(compressed_stack(arrays, cols), dictionary), np.asarray(arrays["minmax"])
     else:
         codes, params = np.asarray(arrays["codes"]), np.asarray(arrays["grid_params"])
     weights = np.stack([np.asarray(dequantize_codes(jnp.asarray(c), jnp.asarray(p), grid)) for c, p in zip(codes, params)])
@@ -103,11 +99,12 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
             node = node.setdefault(key, {})
         expert = node.setdefault("expert", {})
         for kernel, stored in arrays.items():
-            cols = config.d_ff if kernel == "wo" else config.d_model
+            check_kernel_arrays(stored, grid.kind == "ternary", f"{directory}/layers/{name}/{kernel}")
+            cols = kernel_cols(kernel, config.d_model, config.d_ff)
             if experts == "dense":
                 expert[kernel] = {"kernel": jnp.asarray(dequantized_kernel(stored, grid, cols, dictionary), dtype)}
             else:
-                expert[kernel] = _stack(stored, cols)
+                expert[kernel] = jax.tree.map(jnp.asarray, compressed_stack(stored, cols))
     if mesh is None or experts == "dense":
         return CompressedModel(config, params, dictionaries, grid, experts)
     if config.num_experts % mesh.shape["expert"]:
