@@ -1,6 +1,7 @@
 """Fast tests of qmoe_jax.models: configs, param tree, MoE routing/capacity, decoding, dtypes."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -9,8 +10,8 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from qmoe_jax.models import (MlpExperts, MoeLayer, SwitchConfig, SwitchTransformer, config_names,
-                             expert_capacity, get_config, num_groups, router_metrics)
+from qmoe_jax.models import (MlpExperts, MoeLayer, SwitchConfig, SwitchTransformer, config_names, dispatch,
+                             expert_capacity, expert_counts, get_config, num_groups, route_top1, router_metrics)
 from qmoe_jax.models import decode_step, init_cache, param_shapes
 from qmoe_jax.models.layers import relative_position_bucket
 
@@ -297,6 +298,31 @@ def test_moe_matches_per_token_reference_with_groups_and_drops():
     assert router_metrics(state["intermediates"])["fraction_tokens_left_behind"] > 0
 
 
+@pytest.mark.parametrize("batch, length", [(1, 1), (3, 16)])
+def test_gathered_dense_experts_match_the_all_expert_layout(batch, length):
+    """Per-token kernels W[expert_index] against T5X's every-expert-every-slot einsum, drops included."""
+    config = moe_config(group_size=12, eval_capacity_factor=0.75, min_expert_capacity=1)
+    x = jax.random.normal(jax.random.PRNGKey(5), (batch, length, config.d_model))
+    params = random_params(MoeLayer(config), x, seed=6)
+    params["router"]["router_weights"]["w"]["kernel"] *= 50.0
+    einsum = run(MoeLayer(config, functools.partial(MlpExperts, gather_tokens=0)), params, x)
+    gathered = run(MoeLayer(config, functools.partial(MlpExperts, gather_tokens=batch * length)), params, x)
+    np.testing.assert_allclose(gathered, einsum, rtol=1e-5, atol=1e-6)
+    assert (np.abs(np.asarray(einsum)).sum(-1) == 0).any() == (batch > 1)  # the larger call drops tokens
+
+
+def test_dispatch_fills_each_expert_from_its_first_row():
+    config = moe_config()
+    logits = jax.random.normal(jax.random.PRNGKey(0), (3, 10, config.num_experts)) * 5
+    routing = route_top1(logits, capacity=2)
+    tokens = jnp.ones((3, 10, 4))
+    buffer = np.asarray(dispatch(tokens, routing, config.num_experts, 2))
+    counts = np.asarray(expert_counts(routing, config.num_experts))
+    assert counts.sum() == int(routing.kept.sum()) and buffer.shape == (config.num_experts, 6, 4)
+    for expert, count in enumerate(counts):
+        assert (buffer[expert, :count] == 1).all() and (buffer[expert, count:] == 0).all()
+
+
 def test_router_metrics_needs_sparse_layers():
     with pytest.raises(ValueError, match="no sown router metric"):
         router_metrics({})
@@ -308,7 +334,7 @@ class ScaledExperts(nn.Module):
     config: SwitchConfig
 
     @nn.compact
-    def __call__(self, expert_inputs, *, enable_dropout=False):
+    def __call__(self, expert_inputs, counts=None, *, enable_dropout=False):
         scale = self.param("scale", nn.initializers.ones, (self.config.num_experts, 1, 1))
         return expert_inputs * scale
 

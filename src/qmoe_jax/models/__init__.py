@@ -13,6 +13,7 @@ from qmoe_jax.models.moe import Routing as Routing
 from qmoe_jax.models.moe import combine as combine
 from qmoe_jax.models.moe import dispatch as dispatch
 from qmoe_jax.models.moe import expert_capacity as expert_capacity
+from qmoe_jax.models.moe import expert_counts as expert_counts
 from qmoe_jax.models.moe import num_groups as num_groups
 from qmoe_jax.models.moe import route_top1 as route_top1
 from qmoe_jax.models.moe import router_metrics as router_metrics

@@ -4,7 +4,9 @@ The drop-in ``experts_cls`` for ``MoeLayer`` when a checkpoint's experts are
 ternary ``CompressedExperts`` stacks: ``expert/wi`` (or ``wi_0``/``wi_1``) and
 ``expert/wo`` hold W[E, out, in] in format v1, and each product
 ``[E, C, in] → [E, C, out]`` is one ``ops.matmul`` call per layer, decoding every
-codeword once for all tokens of its expert. The weights are frozen: gradients
+codeword once for all tokens of its expert. With the routing's ``counts`` the
+kernels compute only the slots in use and never decode an expert that
+received no token, so a decoding step costs the routed experts, not all E. The weights are frozen: gradients
 flow to the inputs only (``ops``' custom VJP), which is what fine-tuning the
 dense layers of a compressed model needs.
 """
@@ -61,14 +63,15 @@ class CompressedMlpExperts(nn.Module):
         return kernel
 
     @nn.compact
-    def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
+    def __call__(self, expert_inputs: jax.Array, counts: jax.Array | None = None, *,
+                 enable_dropout: bool = False) -> jax.Array:
         cfg = self.config
         dictionary = self._dictionary()
         matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
         x = expert_inputs.astype(cfg.jnp_dtype)
-        hidden = hidden_units(cfg, lambda name: matmul(self._kernel(name), x, dictionary))
+        hidden = hidden_units(cfg, lambda name: matmul(self._kernel(name), x, dictionary, counts))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
-        return matmul(self._kernel("wo"), hidden, dictionary)
+        return matmul(self._kernel("wo"), hidden, dictionary, counts)
 
 
 def compressed_experts_cls(dictionaries: Mapping[str, Dictionary], mesh: jax.sharding.Mesh | None = None):

@@ -6,12 +6,16 @@ implements to drop in):
 * construction: ``experts_cls(config=config, name="expert")``, with ``config``
   a ``SwitchConfig`` (E = ``num_experts``, d = ``d_model``, f = ``d_ff``,
   gating from ``mlp_activations``, dtypes);
-* call: ``experts(expert_inputs, enable_dropout=bool) -> expert_outputs``
-  with ``expert_inputs`` of shape ``[E, T, d]`` in the activation dtype, where
-  row ``e`` holds the tokens dispatched to expert e (T = groups × capacity;
-  unused slots are zero rows) and ``expert_outputs`` of shape ``[E, T, d]``;
-  an expert must map a zero row to a zero row (no biases), since empty slots
-  are computed too;
+* call: ``experts(expert_inputs, counts=counts, enable_dropout=bool) ->
+  expert_outputs`` with ``expert_inputs`` of shape ``[E, T, d]`` in the
+  activation dtype, where row ``e`` holds the tokens dispatched to expert e in
+  its first ``counts[e]`` slots (``counts`` int32[E]; T = groups × capacity;
+  unused slots are zero rows) and ``expert_outputs`` of shape ``[E, T, d]``; an
+  expert may skip the unused slots (and experts with count 0), but if it
+  computes them it must map a zero row to a zero row (no biases);
+* optionally, per-token execution: a layer with an attribute ``gather_tokens``
+  > 0 is called as ``experts(tokens [N, d], expert_index=int32[N])`` -> ``[N, d]``
+  when a call routes at most that many tokens;
 * parameters (or other variables) live under the module, so they appear in
   the tree as ``.../mlp/expert/...``. The dense layer has T5X's
   ``wi/kernel [E, d, f]`` and ``wo/kernel [E, f, d]`` (``wi_0``/``wi_1`` when
@@ -38,27 +42,39 @@ def expert_kernel_init(scale: float):
 
 
 class ExpertKernel(nn.Module):
-    """A stack of E expert matrices ``kernel [E, in, out]``: ``[E, T, in] → [E, T, out]``."""
+    """A stack of E expert matrices ``kernel [E, in, out]``: ``[E, T, in] → [E, T, out]``, or per token
+    ``[N, in] → [N, out]`` through the kernels of ``expert_index int32[N]``."""
 
     features: int
     config: SwitchConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, expert_index: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         kernel = self.param("kernel", expert_kernel_init(cfg.init_scale),
                             (cfg.num_experts, x.shape[-1], self.features), cfg.jnp_param_dtype)
+        if expert_index is not None:
+            return jnp.einsum("nd,ndf->nf", x.astype(cfg.jnp_dtype), kernel[expert_index].astype(cfg.jnp_dtype))
         return jnp.einsum("etd,edf->etf", x.astype(cfg.jnp_dtype), kernel.astype(cfg.jnp_dtype))
 
 
 class MlpExperts(nn.Module):
-    """E dense T5 MLPs, one per expert: ``[E, T, d] → [E, T, d]``."""
+    """E dense T5 MLPs, one per expert: ``[E, T, d] → [E, T, d]`` (T5X's all-expert einsum).
+
+    Attributes:
+      gather_tokens: a call routing at most this many tokens multiplies each
+        token by its own expert's kernels, gathered (``W[expert_index]``),
+        instead of every expert by every slot: at decoding sizes that reads the
+        routed experts' weights only. 0 always uses T5X's layout.
+    """
 
     config: SwitchConfig
+    gather_tokens: int = 16
 
     @nn.compact
-    def __call__(self, expert_inputs: jax.Array, *, enable_dropout: bool = False) -> jax.Array:
+    def __call__(self, expert_inputs: jax.Array, counts: jax.Array | None = None, *,
+                 enable_dropout: bool = False, expert_index: jax.Array | None = None) -> jax.Array:
         cfg = self.config
-        hidden = hidden_units(cfg, lambda name: ExpertKernel(cfg.d_ff, cfg, name=name)(expert_inputs))
+        hidden = hidden_units(cfg, lambda name: ExpertKernel(cfg.d_ff, cfg, name=name)(expert_inputs, expert_index))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
-        return ExpertKernel(cfg.d_model, cfg, name="wo")(hidden)
+        return ExpertKernel(cfg.d_model, cfg, name="wo")(hidden, expert_index)

@@ -5,9 +5,17 @@ Lingo: N tokens of a call are split into G groups of S tokens (row-major over
 (capacity). A token's *position* in its expert is the number of earlier tokens
 of its group that chose the same expert; a token whose position is >= C is
 dropped: its MoE output is zero and the residual passes it through. The
-dispatch buffer is ``[E, G*C, d]`` with token (g, position) of expert e at row
-``g*C + position``; it is filled by a scatter and read back by a gather, so the
-cost is O(N·d + N·E), not the O(N·E·C·d) of one-hot dispatch einsums.
+dispatch buffer is ``[E, G*C, d]``; expert e's kept tokens fill its first
+``counts[e]`` rows in (group, position) order, so the rows in use are a prefix
+and the expert layer may skip the rest (``counts``), or a whole expert that
+received nothing. The buffer is filled by a scatter and read back by a gather,
+so the cost is O(N·d + N·E), not the O(N·E·C·d) of one-hot dispatch einsums.
+Each token's output depends on its own row only, so this layout gives the same
+numbers as T5X's ``g*C + position``.
+
+For few tokens (decoding), an expert layer that offers it (``gather_tokens``,
+e.g. the dense ``MlpExperts``) instead multiplies each token by its own expert's
+gathered kernels, with no buffer at all; dropped tokens are still zeroed.
 
 Router (T5X ``TokensChooseMaskedRouter`` without batch-prioritized routing):
 ``probs = softmax(x · W_r)`` in float32, expert = argmax, gate = the raw top-1
@@ -102,11 +110,26 @@ def route_top1(router_logits: jax.Array, capacity: int) -> Routing:
                    auxiliary_loss, router_z_loss)
 
 
+def _kept_per_group(routing: Routing, num_experts: int) -> jax.Array:
+    """int32[G, E]: kept tokens of each expert in each group."""
+    chosen = jax.nn.one_hot(routing.expert_index, num_experts, dtype=jnp.int32)
+    return jnp.sum(chosen * routing.kept[..., None], axis=1)
+
+
+def expert_counts(routing: Routing, num_experts: int) -> jax.Array:
+    """int32[E]: rows of each expert's buffer in use (its kept tokens over all groups)."""
+    return jnp.sum(_kept_per_group(routing, num_experts), axis=0)
+
+
 def _buffer_rows(routing: Routing, num_experts: int, capacity: int) -> jax.Array:
-    """Row of each token in the flattened ``[E * G * C]`` buffer; dropped tokens get E*G*C."""
+    """Row of each token in the flattened ``[E * G * C]`` buffer; dropped tokens get E*G*C.
+
+    Expert e's kept tokens take rows ``e*G*C + 0 .. counts[e]-1`` in (group, position) order.
+    """
     groups = routing.expert_index.shape[0]
-    group = jnp.arange(groups, dtype=jnp.int32)[:, None]
-    rows = routing.expert_index * (groups * capacity) + group * capacity + routing.position
+    kept_before = jnp.cumsum(_kept_per_group(routing, num_experts), axis=0) - _kept_per_group(routing, num_experts)
+    earlier = jnp.take_along_axis(kept_before, routing.expert_index, axis=1)
+    rows = routing.expert_index * (groups * capacity) + earlier + routing.position
     return jnp.where(routing.kept, rows, num_experts * groups * capacity).reshape(-1)
 
 
@@ -182,10 +205,17 @@ class MoeLayer(nn.Module):
 
         grouped = x.reshape(groups, per_group, width)
         routing = route_top1(Router(cfg, name="router")(grouped), slots)
-        expert_inputs = dispatch(grouped.astype(cfg.jnp_dtype), routing, cfg.num_experts, slots)
-        expert_outputs = self.experts_cls(config=cfg, name="expert")(
-            expert_inputs, enable_dropout=enable_dropout)
-        combined = combine(expert_outputs.astype(cfg.jnp_dtype), routing, slots)
+        experts = self.experts_cls(config=cfg, name="expert")
+        if tokens <= getattr(experts, "gather_tokens", 0):
+            outputs = experts(grouped.reshape(tokens, width).astype(cfg.jnp_dtype),
+                              expert_index=routing.expert_index.reshape(tokens), enable_dropout=enable_dropout)
+            scale = jnp.where(routing.kept, routing.gate, 0.0).reshape(tokens, 1)
+            combined = outputs.astype(cfg.jnp_dtype) * scale.astype(cfg.jnp_dtype)
+        else:
+            expert_inputs = dispatch(grouped.astype(cfg.jnp_dtype), routing, cfg.num_experts, slots)
+            expert_outputs = experts(expert_inputs, counts=expert_counts(routing, cfg.num_experts),
+                                     enable_dropout=enable_dropout)
+            combined = combine(expert_outputs.astype(cfg.jnp_dtype), routing, slots)
 
         kept = jnp.sum(routing.kept)
         metrics = {
