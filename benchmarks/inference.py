@@ -3,9 +3,12 @@
 For each model, each form runs in its own process (so that its peak RSS is its
 own), on the same checkpoint and the same random tokens:
 
-  compressed   ternary experts through the fused kernels, float32 activations
-  dense f32    the same experts dequantized to float32 (T5X's einsum layout)
-  dense bf16   dequantized to bfloat16, bfloat16 activations (slow on XLA:CPU)
+  compressed     ternary experts through the fused kernels, float32 activations; only the
+                 experts that received tokens, and only their slots in use, are computed
+  dense f32      the same experts dequantized to float32; a call of up to 16 tokens gathers
+                 each token's own expert kernels (the faster dense path when decoding)
+  dense f32 t5x  the same in T5X's layout: every expert multiplies every capacity slot
+  dense bf16     dequantized to bfloat16, bfloat16 activations (slow on XLA:CPU)
 
 and measures teacher-forced evaluation (target tokens/s, batch 8), greedy
 decoding tokens/s at batch 1 and batch 8, and the process's peak RSS. Each
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -45,7 +49,7 @@ import numpy as np
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("bundled", "base-shaped", "base128-shaped")
-FORMS = ("compressed", "dense f32", "dense bf16")
+FORMS = ("compressed", "dense f32", "dense f32 t5x", "dense bf16")
 # Runs argv[1:] and reports its peak RSS; being small, its own size at fork barely counts.
 PEAK_WRAPPER = (
     "import resource, subprocess, sys\n"
@@ -136,24 +140,29 @@ def expert_share_module(module):
         config: object
 
         @nn.compact
-        def __call__(self, expert_inputs, *, enable_dropout: bool = False):
+        def __call__(self, expert_inputs, counts=None, *, enable_dropout: bool = False):
             return jnp.zeros_like(expert_inputs)
 
     return SwitchTransformer(module.config, experts_cls=IdleExperts)
 
 
-def measure(path: str, form: str, repeats: int, decode_length: int, eval_batches: int) -> dict:
+def measure(path: str, form: str, repeats: int, decode_length: int, eval_batches: int,
+            batch_sizes: list[int]) -> dict:
     import jax
     import jax.numpy as jnp
 
     from qmoe_jax.inference import make_eval_step, open_model
     from qmoe_jax.inference.decoding import DecodingConfig, generate
+    from qmoe_jax.models import MlpExperts, SwitchTransformer
 
     dtype = jnp.bfloat16 if form == "dense bf16" else jnp.float32
     started = time.perf_counter()
     model = open_model(path, experts="compressed" if form == "compressed" else "dense", dtype=dtype,
                        expert_parallel="off")
     jax.block_until_ready(model.params)
+    if form == "dense f32 t5x":
+        model = dataclasses.replace(model, module=SwitchTransformer(
+            model.config, experts_cls=functools.partial(MlpExperts, gather_tokens=0)))
     result = {"load_seconds": time.perf_counter() - started}
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -175,7 +184,7 @@ def measure(path: str, form: str, repeats: int, decode_length: int, eval_batches
     seconds = median_seconds(lambda: [eval_step(model.params, batch) for _ in range(eval_batches)])
     result["eval_target_tokens_per_second"] = eval_batches * 8 * 32 / seconds
     config = DecodingConfig(max_decode_length=decode_length, eos_id=-1)
-    for size in (1, 8):
+    for size in batch_sizes:
         prompts = rng.integers(3, vocab - 100, (size, 32)).astype(np.int32)
         seconds = median_seconds(lambda: generate(model.module, model.params, prompts, config).tokens)
         result[f"greedy_b{size}_tokens_per_second"] = size * decode_length / seconds
@@ -189,7 +198,7 @@ def measure(path: str, form: str, repeats: int, decode_length: int, eval_batches
 def run_child(path: str, form: str, args) -> dict:
     command = [sys.executable, os.path.abspath(__file__), "--child", path, "--form", form,
                "--repeats", str(args.repeats), "--decode_length", str(args.decode_length),
-               "--eval_batches", str(args.eval_batches)]
+               "--eval_batches", str(args.eval_batches), "--batch_sizes", *map(str, args.batch_sizes)]
     completed = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, *command], capture_output=True, text=True,
                                cwd=REPO)
     lines = completed.stdout.splitlines()
@@ -227,6 +236,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode_length", type=int, default=16, help="greedy tokens per sequence")
     parser.add_argument("--eval_batches", type=int, default=2, help="teacher-forced batches per timing")
+    parser.add_argument("--batch_sizes", type=int, nargs="+", default=[1, 8, 64], help="greedy decoding batch sizes")
     parser.add_argument("--work_dir", default=os.path.join(REPO, "benchmarks", "results", "inference"))
     parser.add_argument("--quick", action="store_true", help="bundled model only, fewer repeats")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -237,10 +247,12 @@ def main() -> None:
         write_synthetic_checkpoint(args.write_synthetic, args.experts)
         return
     if args.child:
-        print(json.dumps(measure(args.child, args.form, args.repeats, args.decode_length, args.eval_batches)))
+        print(json.dumps(measure(args.child, args.form, args.repeats, args.decode_length, args.eval_batches,
+                                 args.batch_sizes)))
         return
     if args.quick:
         args.models, args.repeats, args.decode_length, args.eval_batches = ["bundled"], 2, 8, 1
+        args.batch_sizes = [1, 8]
 
     rows = []
     for model in args.models:
@@ -250,25 +262,28 @@ def main() -> None:
             print(f"measuring {model} / {form} ...", flush=True)
             rows.append({"model": model, "form": form, **run_child(path, form, args)})
 
-    header = (f"{'model':<16}{'form':<12}{'eval tok/s':>11}{'greedy b1':>11}{'greedy b8':>11}"
-              f"{'experts share b1':>18}{'peak RSS GiB':>14}")
-    lines = [header]
+    greedy = [f"greedy b{size}" for size in args.batch_sizes]
+    lines = [f"{'model':<16}{'form':<15}{'eval tok/s':>11}" + "".join(f"{g:>12}" for g in greedy)
+             + f"{'experts share b1':>18}{'peak RSS GiB':>14}"]
     for row in rows:
         if "error" in row:
-            lines.append(f"{row['model']:<16}{row['form']:<12} failed: {row['error'].splitlines()[-1][:80]}")
+            message = [line for line in row["error"].splitlines() if "Error" in line] or row["error"].splitlines()
+            lines.append(f"{row['model']:<16}{row['form']:<15} failed: {message[-1][:100]}")
             continue
-        lines.append(f"{row['model']:<16}{row['form']:<12}{row['eval_target_tokens_per_second']:>11.1f}"
-                     f"{row['greedy_b1_tokens_per_second']:>11.2f}{row['greedy_b8_tokens_per_second']:>11.2f}"
-                     f"{row['greedy_b1_experts_share']:>18.2f}{row['peak_rss_gib']:>14.2f}")
+        lines.append(f"{row['model']:<16}{row['form']:<15}{row['eval_target_tokens_per_second']:>11.1f}"
+                     + "".join(f"{row[f'greedy_b{size}_tokens_per_second']:>12.2f}" for size in args.batch_sizes)
+                     + f"{row['greedy_b1_experts_share']:>18.2f}{row['peak_rss_gib']:>14.2f}")
     ratios = []
     for model in args.models:
         by_form = {r["form"]: r for r in rows if r["model"] == model and "error" not in r}
-        if "compressed" in by_form and "dense f32" in by_form:
-            c, d = by_form["compressed"], by_form["dense f32"]
-            ratios.append(f"{model}: compressed / dense f32: eval {c['eval_target_tokens_per_second'] / d['eval_target_tokens_per_second']:.2f}x, "
-                          f"greedy b1 {c['greedy_b1_tokens_per_second'] / d['greedy_b1_tokens_per_second']:.2f}x, "
-                          f"greedy b8 {c['greedy_b8_tokens_per_second'] / d['greedy_b8_tokens_per_second']:.2f}x, "
-                          f"peak RSS {c['peak_rss_gib'] / d['peak_rss_gib']:.2f}x")
+        for baseline in ("dense f32", "dense f32 t5x"):
+            if "compressed" in by_form and baseline in by_form:
+                c, d = by_form["compressed"], by_form[baseline]
+                speed = lambda key: f"{c[key] / d[key]:.2f}x"  # noqa: E731
+                ratios.append(f"{model}: compressed / {baseline}: eval {speed('eval_target_tokens_per_second')}, "
+                              + "".join(f"greedy b{size} {speed(f'greedy_b{size}_tokens_per_second')}, "
+                                        for size in args.batch_sizes)
+                              + f"peak RSS {c['peak_rss_gib'] / d['peak_rss_gib']:.2f}x")
     cpu = cpu_model()
     print(f"\nCPU: {cpu}, {os.cpu_count()} cores; synthetic models: random ternary codes at P(0) = 0.885, "
           "no dense source")

@@ -122,11 +122,18 @@ def test_generate_cli_rejects_bad_input_briefly(compressed_tiny, tmp_path):
     bad.write_text('{"text": "no inputs field"}\n')
     result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--tokenizer", tokenizer.model_path,
                          "--input_file", str(bad)], timeout=300)
-    assert result.returncode != 0
-    assert 'bad.jsonl:1 is not a JSON object with an "inputs" field' in result.stderr
+    assert result.returncode == 1
+    assert result.stderr.strip().endswith('bad.jsonl:1 is not a JSON object with an "inputs" field')
+    assert "Traceback" not in result.stderr
     result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--prompt", "a", "--top_p", "0"],
                         timeout=300)
     assert result.returncode == 2 and "top_p must be in (0, 1]" in result.stderr
+    result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--tokenizer", tokenizer.model_path,
+                         "--prompt", "a <extra_id_100>"], timeout=300)
+    assert result.returncode == 1 and "unknown sentinel <extra_id_100>" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", str(tmp_path), "--prompt", "a"], timeout=300)
+    assert result.returncode == 1 and str(tmp_path) in result.stderr and "Traceback" not in result.stderr
 
 
 EXPERT_PARALLEL_SCRIPT = """

@@ -18,6 +18,7 @@ import sys
 import time
 
 from qmoe_jax import bundled
+from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
 from qmoe_jax.inference import EXPERT_PARALLEL, open_model
 from qmoe_jax.inference.decoding import METHODS, DecodingConfig
@@ -39,7 +40,7 @@ def read_prompts(path: str) -> list[str]:
     return prompts
 
 
-def main(argv=None) -> None:
+def generate(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m qmoe_jax.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="compressed directory or T5X checkpoint (default: the bundled model)")
@@ -62,6 +63,7 @@ def main(argv=None) -> None:
     parser.add_argument("--alpha", type=float, default=0.6, help="beam search brevity penalty exponent (T5X: 0.6)")
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--inputs_length", type=int, help="encoder length (default: longest prompt, rounded up to 8)")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     if bool(args.prompt) == bool(args.input_file):
         parser.error("give --prompt (repeatable) or --input_file, not both and not neither")
@@ -94,6 +96,10 @@ def main(argv=None) -> None:
     seconds = time.perf_counter() - started
     print(f"{len(prompts)} prompt(s), {generated_tokens} tokens in {seconds:.1f} s including compilation "
           f"({model.experts} experts, {config.method})", file=sys.stderr)
+
+
+def main(argv=None) -> None:
+    run_cli(generate, argv)
 
 
 if __name__ == "__main__":
