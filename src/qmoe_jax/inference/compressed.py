@@ -83,7 +83,8 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
         )
     config = dataclasses.replace(SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name)
     # Checkpoints written before the header carried "grid" kept it under "settings".
-    grid = GridConfig(**checkpoint.header.get("grid", checkpoint.header["settings"]["grid"]))
+    header = checkpoint.header
+    grid = GridConfig(**(header["grid"] if "grid" in header else header["settings"]["grid"]))
     if experts == "compressed" and grid.kind != "ternary":
         raise ValueError(f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}")
     params = checkpoint.dense_params()
