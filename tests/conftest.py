@@ -30,3 +30,14 @@ def dictionary():
     from qmoe_jax.codec import build_dictionary
 
     return build_dictionary(0.885)
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory, tiny_tokenizer):
+    """(checkpoint, calibration text, tokenizer) of the tiny Switch model of ``switch_fixtures.TINY``."""
+    from switch_fixtures import write_calibration_text, write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    checkpoint = write_tiny_checkpoint(root / "t5x")
+    text = write_calibration_text(root / "calibration.txt")
+    return checkpoint, text, tiny_tokenizer.model_path

@@ -92,17 +92,22 @@ def test_resume_keeps_finished_layers_and_drops_partial_ones(tmp_path):
     assert os.listdir(tmp_path / "layers") == ["encoder.layers_1.mlp"]
 
 
-def test_resume_with_other_settings_refused(tmp_path):
+def test_resume_with_another_header_refused_once_a_part_is_finished(tmp_path):
     CompressedCheckpointWriter(str(tmp_path), HEADER)
     other = dict(HEADER, settings={"grid": {"kind": "minmax", "bits": 2}})
-    with pytest.raises(CompressedCheckpointError, match="other settings"):
-        CompressedCheckpointWriter(str(tmp_path), other)
+    CompressedCheckpointWriter(str(tmp_path), other).write_layer("encoder.layers_1.mlp", layer_arrays(0),
+                                                                 {"dictionary": None})  # nothing finished: replaced
+    with pytest.raises(CompressedCheckpointError, match="another run"):
+        CompressedCheckpointWriter(str(tmp_path), HEADER)
 
 
 def test_not_a_checkpoint_and_wrong_version(tmp_path):
     with pytest.raises(CompressedCheckpointError, match="not a qmoe_jax compressed checkpoint"):
         CompressedCheckpoint(str(tmp_path))
-    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 99}))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "name": "another tool"}))
+    with pytest.raises(CompressedCheckpointError, match="not the manifest of a qmoe_jax compressed checkpoint"):
+        CompressedCheckpoint(str(tmp_path))
+    (tmp_path / "manifest.json").write_text(json.dumps({"format": "qmoe_jax.compressed", "format_version": 99}))
     with pytest.raises(CompressedCheckpointError, match="format version 99"):
         CompressedCheckpoint(str(tmp_path))
 

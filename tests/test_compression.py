@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from child_process import popen_python
 from conftest import synthetic_sentences
-from switch_fixtures import TINY, write_c4_shard, write_calibration_text, write_tiny_checkpoint
+from switch_fixtures import TINY, write_c4_shard
 
 from qmoe_jax import bundled, compress
 from qmoe_jax.checkpoints import open_t5x_checkpoint
@@ -19,14 +19,6 @@ from qmoe_jax.inference import mean_cross_entropy
 from qmoe_jax.inference.loading import infer_config
 from qmoe_jax.models import SwitchTransformer
 from qmoe_jax.report import summary_table
-
-
-@pytest.fixture(scope="module")
-def tiny_setup(tmp_path_factory, tiny_tokenizer):
-    root = tmp_path_factory.mktemp("tiny")
-    checkpoint = write_tiny_checkpoint(root / "t5x")
-    text = write_calibration_text(root / "calibration.txt")
-    return checkpoint, text, tiny_tokenizer.model_path
 
 
 def options(setup, output_dir, **overrides):
@@ -243,7 +235,7 @@ def test_cli_compresses_c4_text_and_scores_both_models(tiny_setup, tmp_path, cap
 def test_header_records_every_setting_that_changes_the_output():
     recorded = set(CompressionOptions().header_settings())
     assert recorded == {field.name for field in dataclasses.fields(CompressionOptions)} - {
-        "checkpoint", "config", "output_dir", "eval_examples", "eval_data"}
+        "checkpoint", "config", "output_dir", "eval_examples", "eval_data", "nonfinite", "verify"}
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -251,6 +243,9 @@ def test_header_records_every_setting_that_changes_the_output():
     (["--batch_size", "0"], "batch_size must be at least 1"),
     (["--damping", "0"], "damping must be > 0"),
     (["--eval_examples", "5", "--calibration", "text:*.txt"], "needs validation text"),
+    (["--eval_data", "c5:/data"], "eval_data must be 'bundled' or 'c4:<dir or glob>', got 'c5:/data'"),
+    (["--config", "switch-base-9"], "unknown SwitchTransformer config 'switch-base-9'"),
+    (["--nonfinite", "drop"], "argument --nonfinite: invalid choice: 'drop'"),
 ])
 def test_cli_rejects_bad_flags_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:

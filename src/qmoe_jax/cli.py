@@ -11,12 +11,14 @@ Wrap a command's ``main(argv)`` in ``run_cli``:
 A command adds what to do next to an error or an interrupt as an exception
 note (``error.add_note("re-run the same command to resume ...")``); the notes
 are printed after the message. ``--debug`` (add it with ``add_debug_flag``) or
-``QMOE_JAX_DEBUG=1`` prints the traceback of expected errors too.
+``QMOE_JAX_DEBUG=1`` prints the traceback of expected errors too, and the log
+messages of the libraries underneath (Orbax logs its failures through absl).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -64,6 +66,8 @@ def run_cli(main: Callable[[list[str]], None], argv: list[str] | None = None) ->
     """Runs ``main(argv)`` (default: the process's arguments) and turns its expected failures into exit codes."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debugging(argv)
+    if not debug:
+        logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's own warnings and tracebacks
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         main(argv)

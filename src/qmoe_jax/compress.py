@@ -7,6 +7,7 @@
 
 Re-running the same command after an interruption resumes at the first
 unfinished layer; the result is bit-identical to an uninterrupted run.
+docs/recovery.md says what is refused, what resumes and what is repaired.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ def _limit_malloc_arenas(arenas: int = 2) -> None:
 
 _limit_malloc_arenas()
 
-from qmoe_jax.compression import GRIDS, CompressionOptions, compress_checkpoint  # noqa: E402
+from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
+from qmoe_jax.cli import add_debug_flag, run_cli  # noqa: E402
+from qmoe_jax.compression import GRIDS, VERIFY_LEVELS, CompressionOptions, compress_checkpoint  # noqa: E402
 from qmoe_jax.data import PREMASKS  # noqa: E402
 
 
@@ -67,17 +70,29 @@ def parse_options(argv=None) -> CompressionOptions:
                              "scored at the end (default: 256 for the bundled model, off for others; 0 = off)")
     parser.add_argument("--eval_data", help="validation text: 'bundled' or 'c4:<dir or glob>' "
                                             "(default: follows --calibration)")
-    args = parser.parse_args(argv)
+    parser.add_argument("--nonfinite", choices=POLICIES, default=defaults.nonfinite,
+                        help="NaN or inf in a source array: stop with an error naming it (error), or set those "
+                             "values to 0 and count them in report.json (zero)")
+    parser.add_argument("--verify", choices=VERIFY_LEVELS, default=defaults.verify,
+                        help="on resume, check the finished parts' files and sizes (quick) or also every checksum, "
+                             "and read the whole source once before the first layer (full)")
+    add_debug_flag(parser)
+    args = vars(parser.parse_args(argv))
+    del args["debug"]  # run_cli reads it
     try:
-        return CompressionOptions(**vars(args))
+        return CompressionOptions(**args)
     except ValueError as error:
         parser.error(str(error))
 
 
-def main(argv=None) -> None:
+def compress(argv: list[str]) -> None:
     options = parse_options(argv)
     print("==== qmoe_jax.compress " + "=" * 50, flush=True)
     compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=sys.stderr.isatty())
+
+
+def main(argv=None) -> None:
+    run_cli(compress, argv)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -20,18 +21,25 @@ from qmoe_jax import bundled
 from qmoe_jax.calibration.data import calibration_data
 from qmoe_jax.calibration.experts import ExpertCompressionConfig
 from qmoe_jax.calibration.pipeline import CalibrationConfig, CalibrationPass
-from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
-from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
-from qmoe_jax.inference.compressed import load_compressed_model
+from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, path_shapes
+from qmoe_jax.checkpoints.compressed import COMPRESSED_OUTPUT, CompressedCheckpointWriter
+from qmoe_jax.checkpoints.fingerprint import source_fingerprint
+from qmoe_jax.checkpoints.nonfinite import FiniteWeights, check_policy
+from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, c4_documents, check_premask, corpus, text_file_documents
+from qmoe_jax.data.sources import c4_shard_paths
 from qmoe_jax.inference import load_t5x_params, mean_cross_entropies, validation_set
+from qmoe_jax.inference.compressed import load_compressed_model
 from qmoe_jax.inference.loading import infer_config
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, get_config, param_shapes
 from qmoe_jax.quant import GPTQConfig, GridConfig
 from qmoe_jax.report import build_report, summary_table, write_report
+from qmoe_jax.resume import check_resume, file_sha256
 
 BUNDLED_EVAL_EXAMPLES = 256
 GRIDS = {"ternary": GridConfig()} | {f"{b}bit": GridConfig(kind="minmax", bits=b) for b in (2, 3, 4, 8)}
+VERIFY_LEVELS = ("quick", "full")
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _not_in_header(default=None):
@@ -68,6 +76,13 @@ class CompressionOptions:
         model, 0 = off otherwise).
       eval_data: where they come from: "bundled" (the bundled corpus's held-out
         plays) or "c4:<dir or glob>" (None: follows ``calibration``).
+      nonfinite: NaN or ±inf in a source array: "error" (stop, naming the
+        array) or "zero" (set them to 0, counted in the manifest and report).
+        Not recorded in the header: a run that zeroed nothing may continue
+        under either policy (``resume.check_resume``).
+      verify: what a resumed run checks of the finished parts before going on:
+        "quick" (every file there, with its recorded size) or "full" (also every
+        checksum, and every source array read once before the first layer).
     """
 
     checkpoint: str | None = _not_in_header()
@@ -90,6 +105,8 @@ class CompressionOptions:
     gptq_memory_mb: int | None = None
     eval_examples: int | None = _not_in_header()
     eval_data: str | None = _not_in_header()
+    nonfinite: str = _not_in_header("error")
+    verify: str = _not_in_header("quick")
 
     def __post_init__(self):
         if self.grid not in GRIDS:
@@ -102,8 +119,15 @@ class CompressionOptions:
             raise ValueError(f"gptq_memory_mb must be at least 1 (MiB), got {self.gptq_memory_mb}")
         if self.eval_examples is not None and self.eval_examples < 0:
             raise ValueError(f"eval_examples must be 0 (off) or more, got {self.eval_examples}")
+        if not (self.eval_data is None or self.eval_data == "bundled" or self.eval_data.startswith("c4:")):
+            raise ValueError(f"eval_data must be 'bundled' or 'c4:<dir or glob>', got {self.eval_data!r}")
         if self.evaluation_examples() and self.evaluation_data() is None:
             raise ValueError("--eval_examples needs validation text: pass --eval_data bundled or --eval_data c4:<dir>")
+        if self.config:
+            resolve_config(self.config)
+        check_policy(self.nonfinite)
+        if self.verify not in VERIFY_LEVELS:
+            raise ValueError(f"unknown verify level {self.verify!r}; choose one of {', '.join(VERIFY_LEVELS)}")
         # The sub-configs validate their own fields (damping, group size, premask, ...), here, before any work.
         self.span_corruption()
         self.calibration_config(self.gptq_memory_mb or 1)
@@ -142,13 +166,15 @@ def resolve_config(spec: str) -> SwitchConfig:
     if spec.endswith(".json"):
         if not os.path.isfile(spec):
             raise FileNotFoundError(f"config file {spec!r} does not exist")
-        with open(spec) as f:
-            fields = json.load(f)
         try:
-            return SwitchConfig(**fields)
-        except TypeError as error:
+            with open(spec) as f:
+                return SwitchConfig(**json.load(f))
+        except (TypeError, ValueError) as error:
             raise ValueError(f"{spec} is not a SwitchConfig: {error}") from None
-    return get_config(spec)
+    try:
+        return get_config(spec)
+    except KeyError as error:
+        raise ValueError(error.args[0]) from None
 
 
 def default_gptq_memory_mb() -> int:
@@ -157,16 +183,49 @@ def default_gptq_memory_mb() -> int:
     return int(limit // 4 >> 20) if limit else 256
 
 
+def _text_paths(pattern: str) -> list[str]:
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise FileNotFoundError(f"no text files match {pattern!r}")
+    return paths
+
+
 def _documents(spec: str):
     if spec == "bundled":
         return corpus.documents("train")
     kind, _, location = spec.partition(":")
     if kind == "c4":
         return c4_documents(location, split="train")
-    paths = sorted(glob.glob(location))
-    if not paths:
-        raise FileNotFoundError(f"no text files match {location!r}")
-    return text_file_documents(paths)
+    return text_file_documents(_text_paths(location))
+
+
+def _check_source(checkpoint: T5XCheckpoint, config: SwitchConfig) -> None:
+    """Every array's shape and dtype against ``config``, its zarr metadata and its stored chunks."""
+    checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
+    other = [f"{path} ({info.dtype.name})" for path, info in checkpoint.spec().items()
+             if info.dtype.name not in FLOAT_DTYPES]
+    if other:
+        raise CheckpointError(f"the checkpoint {checkpoint.url} holds parameters of a non-float dtype: "
+                              f"{', '.join(other[:5])}; T5X parameters are float32 or bfloat16")
+    checkpoint.check_stored()
+
+
+def _check_text(options: CompressionOptions, tokenizer: Tokenizer, config: SwitchConfig) -> None:
+    """The tokenizer fits the model, and the calibration and validation text is there."""
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (sentinels included) "
+                         f"but the model only {config.vocab_size}; pass the model's own tokenizer with --tokenizer")
+    texts = [(options.calibration, "train")]
+    if options.evaluation_examples():
+        texts.append((options.evaluation_data(), "validation"))
+    for spec, split in texts:
+        kind, _, location = spec.partition(":")
+        if kind == "c4":
+            c4_shard_paths(location, split)
+        elif kind == "text":
+            _text_paths(location)
+        else:
+            corpus.texts_dir()
 
 
 def _parameter_counts(checkpoint: T5XCheckpoint) -> tuple[int, int]:
@@ -176,21 +235,93 @@ def _parameter_counts(checkpoint: T5XCheckpoint) -> tuple[int, int]:
     return total, experts
 
 
+def sparse_layer_names(config: SwitchConfig) -> list[str]:
+    """The sparse layers in the order the calibration pass compresses them, e.g. ``encoder.layers_1.mlp``."""
+    return [f"{stack}.layers_{index}.mlp" for stack in ("encoder", "decoder")
+            for index in config.sparse_layers(decoder=stack == "decoder")]
+
+
+def _resume_advice(writer: CompressedCheckpointWriter, config: SwitchConfig) -> str:
+    """What to do after an interrupt or an OS error once the output exists: where a re-run resumes."""
+    layers = sparse_layer_names(config)
+    remaining = [name for name in layers if name not in writer.finished_layers()]
+    if not remaining:
+        return f"re-run the same command to finish (all {len(layers)} sparse layers are done)"
+    return (f"re-run the same command to resume from layer {remaining[0]} ({len(layers) - len(remaining)} of "
+            f"{len(layers)} sparse layers done)")
+
+
+def _resuming(writer: CompressedCheckpointWriter, config: SwitchConfig, path: str) -> str:
+    started_from = writer.manifest["header"]["source"]
+    moved = f"; the same checkpoint was at {started_from} when the run started" if started_from != path else ""
+    return (f"resuming: {len(writer.finished_layers())} of {len(sparse_layer_names(config))} sparse layer(s) "
+            f"already finished{moved}")
+
+
 def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] = print,
                         progress: bool = True, config: SwitchConfig | None = None) -> dict:
     """Compresses (or resumes compressing) a checkpoint; returns the report (also written to disk).
 
+    Before any work it checks the whole source checkpoint's metadata against
+    the config, the tokenizer and the text, that the output directory is ours
+    to write (``checkpoints.output_dir``), and on resume that the stored run is
+    this one (``resume.check_resume``) and its finished parts are intact
+    (damaged ones are redone). An interrupt or OS error on the way carries a
+    note on how to go on (``cli.run_cli`` prints it).
+
     ``config`` overrides ``options.config`` with a config object (e.g. one not in the registry).
     """
     started = time.perf_counter()
-    path = options.checkpoint or bundled.checkpoint_path()
-    checkpoint = open_t5x_checkpoint(path)
-    if config is None:
-        config = resolve_config(options.config) if options.config else infer_config(checkpoint)
-    checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
-    output_dir = options.output_dir or os.path.join("runs", "compressed", config.name)
-    tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
-    log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
+    writer = None
+    try:
+        path = options.checkpoint or bundled.checkpoint_path()
+        source = open_t5x_checkpoint(path)
+        if config is None:
+            config = resolve_config(options.config) if options.config else infer_config(source)
+        _check_source(source, config)
+        tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
+        _check_text(options, tokenizer, config)
+        output_dir = options.output_dir or os.path.join("runs", "compressed", config.name)
+        gptq_memory_mb = options.gptq_memory_mb or default_gptq_memory_mb()
+        header = {
+            "model": dataclasses.asdict(config),
+            "source": path,
+            "source_fingerprint": source_fingerprint(source),
+            "tokenizer_sha256": file_sha256(tokenizer.model_path),
+            "grid": dataclasses.asdict(GRIDS[options.grid]),
+            "settings": options.header_settings(tokenizer=os.path.basename(tokenizer.model_path),
+                                                gptq_memory_mb=gptq_memory_mb),
+        }
+        log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
+        with claimed(output_dir, COMPRESSED_OUTPUT):
+            writer = CompressedCheckpointWriter(
+                output_dir, header, log=log,
+                check_resume=lambda stored: check_resume(stored, header, options.nonfinite, output_dir))
+            for damage in writer.verify(full=options.verify == "full"):
+                log(f"repairing {damage}")
+            if writer.has_dense() or writer.finished_layers():
+                log(_resuming(writer, config, path))
+            report = _compress(options, config, source, tokenizer, writer, gptq_memory_mb, log, progress)
+            report["seconds"]["total"] = time.perf_counter() - started
+            write_report(report, output_dir)
+    except (KeyboardInterrupt, OSError) as error:
+        if writer is not None:
+            error.add_note(_resume_advice(writer, config))
+        elif isinstance(error, KeyboardInterrupt):
+            error.add_note("nothing was written yet; re-run the same command to start")
+        raise
+    log(summary_table(report))
+    log(next_steps(report, output_dir))
+    return report
+
+
+def _compress(options: CompressionOptions, config: SwitchConfig, source: T5XCheckpoint, tokenizer: Tokenizer,
+              writer: CompressedCheckpointWriter, gptq_memory_mb: int, log: Callable[[str], None],
+              progress: bool) -> dict:
+    """The work of ``compress_checkpoint`` once everything is checked: calibrate, compress, report."""
+    weights = FiniteWeights(source, options.nonfinite, on_zeroed=writer.record_zeroed)
+    if options.verify == "full":
+        weights.check_all()
 
     data_started = time.perf_counter()
     data = calibration_data(_documents(options.calibration), tokenizer, options.span_corruption(),
@@ -199,43 +330,33 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
         f"{int((data.decoder_target_tokens > 0).sum())} decoder tokens")
     data_seconds = time.perf_counter() - data_started
 
-    gptq_memory_mb = options.gptq_memory_mb or default_gptq_memory_mb()
-    header = {
-        "model": dataclasses.asdict(config),
-        "source": path,
-        "grid": dataclasses.asdict(GRIDS[options.grid]),
-        "settings": options.header_settings(tokenizer=os.path.basename(tokenizer.model_path),
-                                            gptq_memory_mb=gptq_memory_mb),
-    }
-    writer = CompressedCheckpointWriter(output_dir, header)
-    if writer.finished_layers():
-        log(f"resuming: {len(writer.finished_layers())} layer(s) already finished")
-    result = CalibrationPass(config, checkpoint, data, options.calibration_config(gptq_memory_mb), writer,
+    result = CalibrationPass(config, weights, data, options.calibration_config(gptq_memory_mb), writer,
                              log=log, progress=progress).run()
-    total, experts = _parameter_counts(checkpoint)
+    total, experts = _parameter_counts(source)
     seconds = {"data": data_seconds} | result["seconds"]
     report = build_report(writer.manifest, total, experts, seconds)
     writer.finalize({"moe": report["moe"], "model": report["model"]})
     if options.evaluation_examples():
         evaluation_started = time.perf_counter()
-        report["evaluation"] = _evaluate(options, path, config, tokenizer, output_dir, progress)
+        report["evaluation"] = _evaluate(options, weights, config, tokenizer, writer.directory, progress)
         report["seconds"]["evaluation"] = time.perf_counter() - evaluation_started
-    report["seconds"]["total"] = time.perf_counter() - started
-    write_report(report, output_dir)
-    log(summary_table(report))
-    log(next_steps(report, output_dir))
     return report
 
 
-def _evaluate(options: CompressionOptions, path: str, config: SwitchConfig, tokenizer: Tokenizer,
+def _evaluate(options: CompressionOptions, source: FiniteWeights, config: SwitchConfig, tokenizer: Tokenizer,
               output_dir: str, progress: bool) -> dict:
     """Validation loss of the original and the compressed model (dequantized experts) on the same examples,
-    as ``python -m qmoe_jax.evaluate`` computes it."""
+    as ``python -m qmoe_jax.evaluate`` computes it; the original's non-finite weights are handled as in the run."""
     validation = validation_set(options.evaluation_data(), tokenizer, options.evaluation_examples(),
                                 options.inputs_length)
-    params = {"original": load_t5x_params(path, config), "compressed": load_compressed_model(output_dir).params}
+    params = {"original": load_t5x_params(source, config), "compressed": load_compressed_model(output_dir).params}
     losses = mean_cross_entropies(SwitchTransformer(config), params, validation.examples, options.batch_size,
                                   validation.encoder_length, validation.decoder_length, progress=progress)
+    for name, loss in losses.items():
+        if not math.isfinite(loss):
+            raise ValueError(f"the {name} model's validation loss is {loss}, so the evaluation is not reported; "
+                             f"the compressed checkpoint {output_dir} is complete (re-run with --eval_examples 0 "
+                             "to write its report without the evaluation)")
     return {"data": validation.source, "examples": len(validation.examples), "original_loss": losses["original"],
             "compressed_loss": losses["compressed"]}
 

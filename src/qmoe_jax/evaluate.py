@@ -26,7 +26,7 @@ from qmoe_jax import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
 from qmoe_jax.inference import EXPERT_PARALLEL, mean_cross_entropy, open_model, validation_set
-from qmoe_jax.models import get_config
+from qmoe_jax.models import config_names, get_config
 
 
 def evaluate(argv: list[str]) -> None:
@@ -34,7 +34,8 @@ def evaluate(argv: list[str]) -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="T5X checkpoint_<step> directory or URL, or a directory written by "
                                              "python -m qmoe_jax.compress (default: the bundled model)")
-    parser.add_argument("--config", help="model config name of a T5X checkpoint (default: inferred from its shapes)")
+    parser.add_argument("--config", choices=config_names(), metavar="CONFIG",
+                        help="model config name of a T5X checkpoint (default: inferred from its shapes)")
     parser.add_argument("--experts", choices=["compressed", "dense"],
                         help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense)")
     parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",

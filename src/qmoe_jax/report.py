@@ -89,6 +89,7 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
             "compression_rate": 16.0 * total_parameters / compressed_bits,
         },
         "fallback_experts": sum(layer["fallback_experts"] for layer in layers),
+        "nonfinite_zeroed": manifest["nonfinite_zeroed"],
         "seconds": stage_seconds,
     }
 
@@ -122,6 +123,10 @@ def summary_table(report: dict) -> str:
         f"({model['bf16_bytes'] / 2**20:.1f} MiB -> {model['compressed_bytes'] / 2**20:.2f} MiB, "
         f"dictionaries {model['dictionary_bytes'] / 2**10:.0f} KiB)"
     )
+    zeroed = report["nonfinite_zeroed"]
+    if zeroed:
+        lines.append(f"non-finite source values set to 0 (--nonfinite zero): {sum(zeroed.values())} in "
+                     f"{len(zeroed)} arrays or experts (report.json, nonfinite_zeroed)")
     lines.append("time: " + ", ".join(f"{stage} {value:.1f}s" for stage, value in report["seconds"].items()))
     return "\n".join(lines)
 

@@ -5,7 +5,8 @@ layer by layer (encoder, then decoder), dense sublayers run per batch of
 samples and update the buffer; at a sparse layer the tokens are routed, each
 expert group is compressed from its gathered tokens, and the tokens' outputs
 through the *quantized* experts are added back. Finished layers are written
-atomically; on a re-run they are replayed from disk instead of recompressed.
+atomically; on a re-run they are replayed from disk instead of recompressed
+(one whose files fail their checksums is compressed again).
 Weights come from the checkpoint one layer (dense) or one expert group
 (sparse) at a time.
 """
@@ -25,7 +26,7 @@ from qmoe_jax.calibration.experts import ExpertCompressionConfig, QuantizedKerne
 from qmoe_jax.calibration.sparse_layer import LayerTokens, compress_layer, replay_layer
 from qmoe_jax.calibration.sublayers import decoder_attend, dense_mlp, encoder_attend, final_norm, route
 from qmoe_jax.checkpoints import T5XCheckpoint
-from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointWriter
+from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointError, CompressedCheckpointWriter
 from qmoe_jax.codec import DEFAULT_P0, Dictionary, adaptive_dictionary, build_dictionary
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import kernel_names
@@ -141,13 +142,10 @@ class CalibrationPass:
             return
         tokens = LayerTokens(mlp_inputs, routing["expert"], routing["gate"], routing["kept"], premask_flat)
         name = f"{stack}.layers_{index}.mlp"
-        if name in self.writer.finished_layers():
-            started = time.perf_counter()
-            arrays, stats = CompressedCheckpoint(self.writer.directory).layer(name)
-            dictionary = None
-            if stats["dictionary"] is not None:
-                dictionary = CompressedCheckpoint(self.writer.directory).dictionary(stats["dictionary"])
-            outputs = replay_layer(cfg, self.settings.experts, tokens, arrays, dictionary)
+        started = time.perf_counter()
+        stored = self._stored_layer(name) if name in self.writer.finished_layers() else None
+        if stored is not None:
+            outputs = replay_layer(cfg, self.settings.experts, tokens, *stored)
             self.seconds["replay"] += time.perf_counter() - started
             self.log(f"{name}: finished earlier, replayed from disk")
         else:
@@ -159,6 +157,18 @@ class CalibrationPass:
             self.writer.write_layer(name, result.arrays, result.stats)
             outputs = result.outputs
         buffer.states += outputs.astype(buffer.states.dtype)
+
+    def _stored_layer(self, name: str) -> tuple[dict, Dictionary | None] | None:
+        """(arrays, dictionary) of a finished layer, read back and verified; None when they fail the checks,
+        and then the layer is unrecorded and compressed again like an unfinished one."""
+        stored = CompressedCheckpoint(self.writer.directory)
+        try:
+            arrays, stats = stored.layer(name)
+            return arrays, stored.dictionary(stats["dictionary"]) if stats["dictionary"] is not None else None
+        except CompressedCheckpointError as damage:
+            self.log(f"{name}: {damage.problem}; compressing it again")
+            self.writer.discard_layer(name)
+            return None
 
     def _dictionary_for(self, quantized: dict[str, QuantizedKernel]) -> Dictionary:
         if self.settings.dictionary == "static":

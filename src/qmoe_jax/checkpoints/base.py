@@ -20,7 +20,7 @@ import numpy as np
 import tensorstore as ts
 
 from qmoe_jax.checkpoints import shapes
-from qmoe_jax.checkpoints.errors import CheckpointError, MissingArrayError
+from qmoe_jax.checkpoints.errors import CheckpointError, CorruptCheckpointError, MissingArrayError
 from qmoe_jax.checkpoints.storage import describe, read_error
 
 Source = Any  # ts.TensorStore, or np.ndarray for arrays stored inline in a msgpack file
@@ -72,6 +72,7 @@ class T5XCheckpoint(abc.ABC):
     """
 
     format: str = ""
+    metadata_files: tuple[str, ...] = ()  # the format's own files at ``location`` (see ``fingerprint``)
 
     def __init__(self, location: dict[str, Any], step: int | None, context: ts.Context):
         self.location = location
@@ -113,6 +114,35 @@ class T5XCheckpoint(abc.ABC):
                 f"({len(keys)} arrays; list them with .keys()){hint}"
             )
         return self.spec()[path]
+
+    @property
+    def context(self) -> ts.Context:
+        """The tensorstore context every array is opened in."""
+        return self._context
+
+    def stores(self, paths: list[str]) -> list[Source]:
+        """The arrays at ``paths`` opened for reading (zarr metadata read, no data): TensorStores, or numpy
+        arrays for arrays stored inline in a legacy msgpack file."""
+        return self._sources(paths)
+
+    def check_stored(self) -> None:
+        """Opens every array, which checks its zarr metadata (against the msgpack spec, for the legacy
+        format), and checks that every chunk of it that a read needs is stored.
+
+        Raises:
+          CorruptCheckpointError: naming the array whose metadata is unreadable or wrong, or the arrays
+            with missing chunk files.
+        """
+        paths = self.keys()
+        must_be_stored = {path: source for path, source in zip(paths, self._sources(paths))
+                          if isinstance(source, ts.TensorStore)
+                          and not source.spec().to_json().get("fill_missing_data_reads", True)}
+        pending = {path: source.storage_statistics(query_fully_stored=True) for path, source in must_be_stored.items()}
+        incomplete = [path for path, statistics in pending.items() if not statistics.result().fully_stored]
+        if incomplete:
+            shown = ", ".join(incomplete[:5]) + (f" and {len(incomplete) - 5} more" if len(incomplete) > 5 else "")
+            raise CorruptCheckpointError(f"the checkpoint {self.url} is incomplete: chunk files of {shown} are "
+                                         "missing; copy the checkpoint again")
 
     def _sources(self, paths: list[str]) -> list[Source]:
         unopened = [path for path in paths if path not in self._opened]

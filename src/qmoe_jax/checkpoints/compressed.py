@@ -19,7 +19,14 @@ Each layer is written into a temporary directory and renamed into place, and
 the manifest is replaced atomically after it, so a crash (even kill -9) leaves
 either the finished layer or nothing; a re-run resumes after the last finished
 layer. Every array carries a SHA-256 in layer.json; loading verifies them, and
-the dictionary fingerprints, and names the array that fails.
+the dictionary fingerprints, and names the array that fails. The manifest also
+records the size of every file of each part, so that a resumed run can check
+cheaply that nothing is missing (``CompressedCheckpointWriter.verify``).
+
+The writer follows the rules of ``output_dir``: it writes only into a new,
+empty or compressed-checkpoint directory (``COMPRESSED_OUTPUT``), and it deletes
+only entries it writes itself: ``dense/``, ``dictionaries/<fp16>/`` and
+``layers/<layer>[.partial]/``.
 """
 
 from __future__ import annotations
@@ -27,21 +34,53 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from qmoe_jax.codec.dictionary import Dictionary, fingerprint_of
+from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
+from qmoe_jax.codec.dictionary import Dictionary, build_dictionary, fingerprint_of
 
+FORMAT = "qmoe_jax.compressed"
 FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+ORBAX_TEMPORARY = r"\.orbax-checkpoint-tmp.*"  # where Orbax writes a tree before renaming it into place
+LAYER_DIRECTORY = re.compile(r"^(encoder|decoder)\.layers_(\d+)\.mlp(\.partial)?$")
+DICTIONARY_DIRECTORY = re.compile(rf"^[0-9a-f]{{16}}({ORBAX_TEMPORARY})?$")
+DENSE_TEMPORARY = re.compile(rf"^dense{ORBAX_TEMPORARY}$")
+RERUN = "re-run the same `python -m qmoe_jax.compress` command"
+
+
+def _written_before_marker(manifest: dict) -> bool:
+    """Manifests of format version 1 written before the "format" marker: the version and the run header."""
+    header = manifest.get("header")
+    return (manifest.get("format_version") == FORMAT_VERSION and isinstance(header, dict)
+            and {"model", "source", "settings"} <= header.keys())
+
+
+COMPRESSED_OUTPUT = OutputKind(FORMAT, "a qmoe_jax compressed checkpoint", _written_before_marker)
 
 
 class CompressedCheckpointError(ValueError):
-    """A compressed checkpoint is missing, corrupt, or does not match what was asked for."""
+    """A compressed checkpoint is missing, corrupt, or does not match what was asked for.
+
+    Attributes:
+      problem: what is wrong, without the advice that follows it in the message.
+    """
+
+    def __init__(self, problem: str, fix: str = ""):
+        super().__init__(f"{problem}; {fix}" if fix else problem)
+        self.problem = problem
+
+
+def layer_order(name: str) -> tuple[bool, int]:
+    """Sort key of a sparse layer's name in the order the calibration pass visits it (encoder first)."""
+    match = LAYER_DIRECTORY.match(name)
+    return match.group(1) == "decoder", int(match.group(2))
 
 
 def array_checksum(array: np.ndarray) -> str:
@@ -67,61 +106,132 @@ def _write_json_atomic(path: str, payload: Any) -> None:
 
 
 def _save_tree(path: str, tree: dict) -> None:
-    ocp.PyTreeCheckpointer().save(path, tree)
+    try:
+        ocp.PyTreeCheckpointer().save(path, tree)
+    except ValueError as error:  # tensorstore reports a failed write, a full disk included, as a ValueError
+        code = re.search(r"os_error_code='(\d+)'", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from error
 
 
-def _restore_tree(path: str) -> dict:
+def _file_sizes(path: str) -> dict[str, int]:
+    """Size in bytes of every file under ``path``, by "/"-joined path relative to it."""
+    sizes = {}
+    for folder, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(folder, name)
+            sizes[os.path.relpath(full, path).replace(os.sep, "/")] = os.path.getsize(full)
+    return dict(sorted(sizes.items()))
+
+
+def _missing_or_resized(path: str, sizes: dict[str, int]) -> str | None:
+    """What differs between the files under ``path`` and their recorded sizes; None when nothing does."""
     if not os.path.isdir(path):
-        raise CompressedCheckpointError(f"{path} is missing; the compressed checkpoint is incomplete")
+        return f"{path} is missing"
+    for name, size in sizes.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"its file {name} is missing"
+        if os.path.getsize(full) != size:
+            return f"its file {name} has {os.path.getsize(full)} bytes instead of {size}"
+    return None
+
+
+def _require_finite(tree: dict, where: str) -> None:
+    for path, value in traverse_util.flatten_dict(tree, sep="/").items():
+        value = np.asarray(value)
+        if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
+            bad = int(np.count_nonzero(~np.isfinite(value)))
+            if bad:
+                raise CompressedCheckpointError(f"{where}: array {path} holds {bad} NaN or infinite values, "
+                                                "which a compressed checkpoint never stores")
+
+
+def _restore_tree(path: str, fix: str) -> dict:
+    if not os.path.isdir(path):
+        raise CompressedCheckpointError(f"{path} is missing", fix)
     try:
         return ocp.PyTreeCheckpointer().restore(path)
     except Exception as error:  # orbax raises many types for damaged trees
-        raise CompressedCheckpointError(f"cannot read the Orbax tree at {path}: {error}") from error
+        raise CompressedCheckpointError(f"cannot read the Orbax tree at {path}: {error}", fix) from error
 
 
-def _verify(tree: dict, checksums: dict[str, str], where: str) -> None:
+def _verify(tree: dict, checksums: dict[str, str], where: str, fix: str) -> None:
     found = _flat_checksums(tree)
     for path, expected in checksums.items():
         if path not in found:
-            raise CompressedCheckpointError(f"{where}: array {path} is missing")
+            raise CompressedCheckpointError(f"{where}: array {path} is missing", fix)
         if found[path] != expected:
-            raise CompressedCheckpointError(
-                f"{where}: checksum mismatch for array {path} (the file is corrupt; "
-                "re-run compression for this layer by deleting its directory)"
-            )
+            raise CompressedCheckpointError(f"{where}: checksum mismatch for array {path} (the file is corrupt)", fix)
+
+
+def _delete_and_rerun(path: str, what: str) -> str:
+    return f"delete {path} and {RERUN} that wrote it, which {what}"
 
 
 class CompressedCheckpointWriter:
     """Writes (or resumes writing) a compressed checkpoint directory.
 
     Args:
-      directory: output directory (created if missing).
+      directory: output directory (created if missing). It must be new, empty
+        or a compressed checkpoint (``COMPRESSED_OUTPUT``); the caller holds its
+        lock (``output_dir.claimed``) while writing.
       header: run description stored in the manifest (config, source,
-        settings). Resuming requires the same header, so that a resumed run
-        can never mix layers made with different settings.
+        settings).
+      check_resume: called with the stored manifest when the directory holds a
+        run with finished parts; raises if ``header``'s run may not continue it.
+        The default requires the same header. A stored run without finished
+        parts is replaced.
+      log: where repairs are reported.
     """
 
-    def __init__(self, directory: str, header: dict):
+    def __init__(self, directory: str, header: dict, check_resume: Callable[[dict], None] | None = None,
+                 log: Callable[[str], None] = lambda line: None):
         directory = os.path.abspath(directory)  # Orbax writes absolute paths only
+        check_writable(directory, COMPRESSED_OUTPUT)
+        os.makedirs(directory, exist_ok=True)
         self.directory = directory
-        os.makedirs(os.path.join(directory, "layers"), exist_ok=True)
-        os.makedirs(os.path.join(directory, "dictionaries"), exist_ok=True)
-        path = os.path.join(directory, MANIFEST)
-        if os.path.exists(path):
-            with open(path) as f:
-                self.manifest = json.load(f)
-            if self.manifest.get("header") != json.loads(json.dumps(header)):
+        self.log = log
+        self.replaced: dict[str, dict] = {}  # records of layers unrecorded as damaged, until they are rewritten
+        stored = read_json_object(os.path.join(directory, MANIFEST))
+        if stored is not None and stored.get("format_version") != FORMAT_VERSION:
+            raise CompressedCheckpointError(
+                f"{directory} holds a compressed checkpoint of format version {stored.get('format_version')}, "
+                f"which this qmoe_jax (version {FORMAT_VERSION}) does not write",
+                "choose a new --output_dir")
+        if stored is not None and (stored["dense"] is not None or stored["layers"]):
+            if "format" not in stored:
                 raise CompressedCheckpointError(
-                    f"{directory} holds a compressed checkpoint made with other settings; "
-                    "use a new --output_dir, or delete it to start over"
-                )
+                    f"{directory} was written by an older qmoe_jax, which did not record what resuming checks "
+                    "(the source's content, the files' sizes)", f"choose a new --output_dir, or delete {directory}")
+            (check_resume or self._require_header(header))(stored)
+            self.manifest = stored
         else:
-            self.manifest = {"format_version": FORMAT_VERSION, "header": header, "dense": None,
-                             "dictionaries": {}, "layers": {}, "complete": False}
-            _write_json_atomic(path, self.manifest)
-        for name in os.listdir(os.path.join(directory, "layers")):
-            if name not in self.manifest["layers"]:
-                shutil.rmtree(os.path.join(directory, "layers", name))  # unfinished leftovers
+            self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "header": header, "dense": None,
+                             "dictionaries": {}, "layers": {}, "nonfinite_zeroed": {}, "complete": False}
+            self._commit()
+        self._remove_unrecorded()
+
+    def _remove_unrecorded(self) -> None:
+        """Deletes what a stopped run left half-written: entries the writer owns that the manifest does not record."""
+        dictionaries = {record["directory"] for record in self.manifest["dictionaries"].values()}
+        for folder, owned, recorded in (("layers", LAYER_DIRECTORY, self.manifest["layers"]),
+                                        ("dictionaries", DICTIONARY_DIRECTORY, dictionaries),
+                                        ("", DENSE_TEMPORARY, ())):
+            path = os.path.join(self.directory, folder)
+            os.makedirs(path, exist_ok=True)
+            for name in os.listdir(path):
+                if owned.match(name) and name not in recorded:
+                    shutil.rmtree(os.path.join(path, name))
+
+    def _require_header(self, header: dict) -> Callable[[dict], None]:
+        def check(stored: dict) -> None:
+            if stored["header"] != json.loads(json.dumps(header)):
+                raise CompressedCheckpointError(f"{self.directory} holds a compressed checkpoint of another run",
+                                                "choose a new output directory")
+
+        return check
 
     def _commit(self) -> None:
         _write_json_atomic(os.path.join(self.directory, MANIFEST), self.manifest)
@@ -132,13 +242,19 @@ class CompressedCheckpointWriter:
     def has_dense(self) -> bool:
         return self.manifest["dense"] is not None
 
+    def record_zeroed(self, key: str, count: int) -> None:
+        """Notes that ``count`` non-finite source values of ``key`` (an array, or ``array[expert]``) were
+        replaced by zeros; stored with the next part written."""
+        self.manifest["nonfinite_zeroed"][key] = count
+
     def write_dense(self, params: dict) -> None:
         """Saves the non-expert parameters (nested dict of arrays)."""
+        _require_finite(params, "dense parameters")
         path = os.path.join(self.directory, "dense")
         if os.path.exists(path):
             shutil.rmtree(path)
         _save_tree(path, params)
-        self.manifest["dense"] = {"checksums": _flat_checksums(params)}
+        self.manifest["dense"] = {"checksums": _flat_checksums(params), "files": _file_sizes(path)}
         self._commit()
 
     def write_dictionary(self, dictionary: Dictionary) -> str:
@@ -149,12 +265,19 @@ class CompressedCheckpointWriter:
             if os.path.exists(path):
                 shutil.rmtree(path)
             _save_tree(path, {"entries": np.asarray(dictionary.entries)})
-            self.manifest["dictionaries"][fingerprint] = {"p0": dictionary.p0, "directory": fingerprint[:16]}
+            self.manifest["dictionaries"][fingerprint] = {"p0": dictionary.p0, "directory": fingerprint[:16],
+                                                          "files": _file_sizes(path)}
             self._commit()
         return fingerprint
 
     def write_layer(self, name: str, arrays: dict, stats: dict) -> None:
-        """Atomically saves one finished sparse layer (``arrays`` as in the module docstring)."""
+        """Atomically saves one finished sparse layer (``arrays`` as in the module docstring).
+
+        A layer that replaces a damaged copy (``discard_layer``) must come out the
+        same; if it does not, every later layer was made from other inputs and is
+        unrecorded too, so that the run recomputes it.
+        """
+        _require_finite(arrays, f"layer {name}")
         final = os.path.join(self.directory, "layers", name)
         staging = final + ".partial"
         for path in (final, staging):
@@ -162,11 +285,73 @@ class CompressedCheckpointWriter:
                 shutil.rmtree(path)
         os.makedirs(staging)
         _save_tree(os.path.join(staging, "arrays"), arrays)
-        record = {"stats": stats, "checksums": _flat_checksums(arrays)}
+        record = {"stats": stats, "checksums": _flat_checksums(arrays), "files": _file_sizes(staging)}
         _write_json_atomic(os.path.join(staging, "layer.json"), record)
         os.replace(staging, final)
         self.manifest["layers"][name] = record
         self._commit()
+        previous = self.replaced.pop(name, None)
+        if previous is not None and previous["checksums"] != record["checksums"]:
+            later = [other for other in self.manifest["layers"] if layer_order(other) > layer_order(name)]
+            if later:
+                self.log(f"{name} came out different from its first copy, so the {len(later)} layer(s) after it "
+                         "are recomputed too")
+            for other in later:
+                self.discard_layer(other)
+
+    def discard_layer(self, name: str) -> None:
+        """Unrecords a finished layer (its files are damaged), so that the run recomputes it."""
+        self.replaced[name] = self.manifest["layers"].pop(name)
+        self._unfinish()
+
+    def _unfinish(self) -> None:
+        self.manifest["complete"] = False
+        self.manifest.pop("report", None)
+        self._commit()
+
+    def verify(self, full: bool = False) -> list[str]:
+        """Checks every recorded part against the disk and repairs what fails.
+
+        Every file of ``dense/``, each dictionary and each layer must be there
+        with its recorded size; with ``full``, every array must also match its
+        checksum and every dictionary its fingerprint. A damaged dictionary is
+        rebuilt from its p0 at once; a damaged ``dense/`` or layer is unrecorded,
+        so that the run rewrites it. Returns one line per damaged part.
+        """
+        reader = CompressedCheckpoint(self.directory)
+        found = []
+
+        def damage(path: str, sizes: dict[str, int], read: Callable[[], Any]) -> str | None:
+            problem = _missing_or_resized(path, sizes)
+            if problem is None and full:
+                try:
+                    read()
+                except CompressedCheckpointError as error:
+                    problem = error.problem
+            return problem
+
+        if self.has_dense():
+            dense = os.path.join(self.directory, "dense")
+            problem = damage(dense, self.manifest["dense"]["files"], reader.dense_params)
+            if problem:
+                found.append(f"dense/: {problem}; it is rewritten from the source")
+                self.manifest["dense"] = None
+        for fingerprint, record in list(self.manifest["dictionaries"].items()):
+            path = os.path.join(self.directory, "dictionaries", record["directory"])
+            problem = damage(path, record["files"], lambda: reader.dictionary(fingerprint))
+            if problem:
+                found.append(f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0")
+                del self.manifest["dictionaries"][fingerprint]
+                self.write_dictionary(build_dictionary(record["p0"]))
+        for name, record in list(self.manifest["layers"].items()):
+            path = os.path.join(self.directory, "layers", name)
+            problem = damage(path, record["files"], lambda: reader.layer(name))
+            if problem:
+                found.append(f"layer {name}: {problem}; it is recomputed")
+                self.discard_layer(name)
+        if found:
+            self._unfinish()
+        return found
 
     def finalize(self, report: dict) -> None:
         self.manifest["complete"] = True
@@ -182,16 +367,18 @@ class CompressedCheckpoint:
         path = os.path.join(directory, MANIFEST)
         if not os.path.isfile(path):
             raise CompressedCheckpointError(
-                f"{directory} is not a qmoe_jax compressed checkpoint (no {MANIFEST}); "
-                "make one with `python -m qmoe_jax.compress`"
-            )
-        with open(path) as f:
-            self.manifest = json.load(f)
-        version = self.manifest.get("format_version")
+                f"{directory} is not a qmoe_jax compressed checkpoint (no {MANIFEST})",
+                "make one with `python -m qmoe_jax.compress`")
+        manifest = read_json_object(path)
+        if manifest is None or not COMPRESSED_OUTPUT.owns(manifest):
+            raise CompressedCheckpointError(
+                f"{path} is not the manifest of a qmoe_jax compressed checkpoint (it lacks \"format\": "
+                f"\"{FORMAT}\")", "make one with `python -m qmoe_jax.compress`")
+        version = manifest.get("format_version")
         if version != FORMAT_VERSION:
             raise CompressedCheckpointError(
-                f"{directory} has format version {version}; this qmoe_jax reads version {FORMAT_VERSION}"
-            )
+                f"{directory} has format version {version}; this qmoe_jax reads version {FORMAT_VERSION}")
+        self.manifest = manifest
         self.directory = directory
 
     @property
@@ -207,21 +394,24 @@ class CompressedCheckpoint:
 
     def dense_params(self) -> dict:
         if self.manifest["dense"] is None:
-            raise CompressedCheckpointError(f"{self.directory} has no dense parameters yet")
-        tree = _restore_tree(os.path.join(self.directory, "dense"))
-        _verify(tree, self.manifest["dense"]["checksums"], "dense parameters")
+            raise CompressedCheckpointError(f"{self.directory} has no dense parameters yet",
+                                            f"{RERUN} to write them")
+        path = os.path.join(self.directory, "dense")
+        fix = _delete_and_rerun(path, "rewrites it from the source checkpoint")
+        tree = _restore_tree(path, fix)
+        _verify(tree, self.manifest["dense"]["checksums"], "dense parameters", fix)
         return tree
 
     def dictionary(self, fingerprint: str) -> Dictionary:
         record = self.manifest["dictionaries"].get(fingerprint)
         if record is None:
             raise CompressedCheckpointError(f"dictionary {fingerprint[:16]}… is not in {self.directory}")
-        tree = _restore_tree(os.path.join(self.directory, "dictionaries", record["directory"]))
-        entries = np.asarray(tree["entries"])
+        path = os.path.join(self.directory, "dictionaries", record["directory"])
+        fix = _delete_and_rerun(path, "rebuilds it")
+        entries = np.asarray(_restore_tree(path, fix)["entries"])
         if fingerprint_of(entries) != fingerprint:
-            raise CompressedCheckpointError(
-                f"dictionary {record['directory']} does not match its fingerprint (corrupt file)"
-            )
+            raise CompressedCheckpointError(f"dictionary {record['directory']} does not match its fingerprint "
+                                            "(the file is corrupt)", fix)
         return Dictionary.from_entries(entries, record["p0"])
 
     def layer(self, name: str) -> tuple[dict, dict]:
@@ -231,6 +421,7 @@ class CompressedCheckpoint:
             raise CompressedCheckpointError(
                 f"layer {name} is not in {self.directory} (finished: {', '.join(self.layer_names()) or 'none'})"
             )
-        tree = _restore_tree(os.path.join(self.directory, "layers", name, "arrays"))
-        _verify(tree, record["checksums"], f"layer {name}")
+        fix = _delete_and_rerun(os.path.join(self.directory, "layers", name), "recomputes that layer")
+        tree = _restore_tree(os.path.join(self.directory, "layers", name, "arrays"), fix)
+        _verify(tree, record["checksums"], f"layer {name}", fix)
         return tree, record["stats"]

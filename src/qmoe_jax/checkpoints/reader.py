@@ -8,6 +8,7 @@ Accepted locations: a step directory ``checkpoint_<step>/`` (legacy, or Orbax wi
 
 from __future__ import annotations
 
+import os
 import re
 
 import tensorstore as ts
@@ -19,6 +20,7 @@ from qmoe_jax.checkpoints.storage import (
     child,
     describe,
     format_names,
+    is_local,
     list_names,
     location,
     parent,
@@ -32,6 +34,9 @@ _STEP_DIR = re.compile(r"^checkpoint_(\d+)/$")
 
 
 def _not_a_checkpoint(where: dict, context: ts.Context) -> NotACheckpointError:
+    if is_local(where) and os.path.isfile(where["path"].rstrip("/")):
+        return NotACheckpointError(f"{where['path'].rstrip('/')} is a file, not a T5X checkpoint: pass the "
+                                   "checkpoint_<step> directory of the model")
     names = list_names(where, context)
     steps = sorted((n for n in names if _STEP_DIR.match(n)), key=lambda n: int(_STEP_DIR.match(n).group(1)))
     hint = (f" It looks like a T5X model directory: open one of its step directories, e.g. "

@@ -105,6 +105,7 @@ class LegacyT5XCheckpoint(T5XCheckpoint):
     """A legacy (msgpack + zarr) T5X checkpoint; see the module docstring for the layout."""
 
     format = "legacy"
+    metadata_files = (MSGPACK_FILE,)
 
     def __init__(self, location: dict[str, Any], data: bytes, context: ts.Context):
         where = describe(child(location, MSGPACK_FILE))

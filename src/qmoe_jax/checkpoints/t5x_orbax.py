@@ -36,6 +36,7 @@ from qmoe_jax.checkpoints.storage import child, describe, open_zarrs, parent
 
 METADATA_FILE = "_METADATA"
 STATE_DIR = "state"
+OCDBT_MANIFEST = "manifest.ocdbt"  # the OCDBT root; it changes with every save
 ARRAY_VALUE_TYPES = frozenset({"np.ndarray", "jax.Array", "scalar"})
 _STEP_DIR = re.compile(r"^checkpoint_(\d+)$")
 
@@ -75,6 +76,7 @@ class OrbaxT5XCheckpoint(T5XCheckpoint):
     """An Orbax T5X checkpoint, read through tensorstore; ``location`` is its ``state/`` directory."""
 
     format = "orbax"
+    metadata_files = (METADATA_FILE, OCDBT_MANIFEST)
 
     def __init__(self, location: dict[str, Any], data: bytes, context: ts.Context):
         directory, name = parent(location)
