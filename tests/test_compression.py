@@ -229,6 +229,7 @@ def test_cli_compresses_c4_text_and_scores_both_models(tiny_setup, tmp_path, cap
     assert evaluation["original_loss"] != evaluation["compressed_loss"]
     assert f"original {evaluation['original_loss']:.4f}" in printed
     assert f"python -m qmoe_jax.evaluate --checkpoint {output}" in printed
+    assert f"python -m qmoe_jax.generate --checkpoint {output}" in printed
     assert report["settings"]["calibration"] == f"c4:{c4}" and report["grid"] == {"kind": "ternary", "bits": None}
 
 

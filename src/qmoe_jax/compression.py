@@ -372,5 +372,6 @@ def next_steps(report: dict, output_dir: str) -> str:
                      f"compressed {evaluation['compressed_loss']:.4f} ({increase:+.4f})")
     lines += ["compressed checkpoint: " + output_dir,
               "use it:",
-              f"  python -m qmoe_jax.evaluate --checkpoint {output_dir}"]
+              f"  python -m qmoe_jax.evaluate --checkpoint {output_dir}",
+              f"  python -m qmoe_jax.generate --checkpoint {output_dir} --prompt \"... <extra_id_0> ...\""]
     return "\n".join(lines)
