@@ -48,7 +48,7 @@ def test_loss_is_half_the_damped_objective():
 
 
 def test_hessian_factor_is_the_inverse_of_gptqs_hinv_and_fails_as_nans():
-    # 600 columns: the recursive Cholesky splits into LAPACK blocks of 150 and matmul updates.
+    # 600 columns: linalg.cholesky splits them into base blocks of 128 and 88 columns and matmul updates.
     _, inputs = correlated_problem(5, cols=600, tokens=700)
     hessian = inputs.T @ inputs
     hessian += 0.1 * np.mean(np.diag(hessian)) * np.eye(600, dtype=np.float32)

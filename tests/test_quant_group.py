@@ -1,12 +1,10 @@
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from child_process import run_python
 from quant_helpers import correlated_problem, gptq_jit
 
 from qmoe_jax.quant import GridConfig, quantize_expert_group, rtn
@@ -56,10 +54,8 @@ def test_shape_errors_and_bad_meshes_are_explained():
 
 
 SHARDED_SCRIPT = textwrap.dedent("""
-    import sys
     import jax
     import numpy as np
-    sys.path.insert(0, {tests!r})
     from test_quant_group import expert_group
     from qmoe_jax.quant import GridConfig, expert_mesh, quantize_expert_group
 
@@ -80,10 +76,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 def test_sharded_over_four_devices_is_bit_identical_to_one_device(tmp_path):
     path = str(tmp_path / "sharded.npz")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(__file__)), env.get("PYTHONPATH")]))
-    script = SHARDED_SCRIPT.format(tests=os.path.dirname(__file__), path=path)
-    completed = subprocess.run([sys.executable, "-c", script], check=False, env=env, capture_output=True, text=True, timeout=600)
+    completed = run_python(["-c", SHARDED_SCRIPT.format(path=path)], timeout=600, JAX_PLATFORMS="cpu",
+                           XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert completed.returncode == 0, completed.stderr[-3000:]
     sharded = np.load(path)
     for num_experts in (6, 8):

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from qmoe_jax.quant.grids import GridConfig, grid_params, quantize
+from qmoe_jax.quant.linalg import cholesky, exact_product, pairwise_sum
 
 _HIGHEST = lax.Precision.HIGHEST
-_CHOLESKY_BASE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,55 +93,45 @@ class GPTQResult(NamedTuple):
     loss: jax.Array
 
 
-def _cholesky(matrix: jax.Array) -> jax.Array:
-    """Lower Cholesky factor; NaNs where it fails. Recursive halving keeps LAPACK to blocks of at most
-    _CHOLESKY_BASE and does the rest as matmuls, which batch and thread far better on CPU."""
-    size = matrix.shape[-1]
-    if size <= _CHOLESKY_BASE:
-        return jnp.linalg.cholesky(matrix)
-    half = size // 2
-    top = _cholesky(matrix[:half, :half])
-    left = lax.linalg.triangular_solve(top, matrix[half:, :half], left_side=False, lower=True, transpose_a=True)
-    bottom = _cholesky(matrix[half:, half:] - jnp.matmul(left, left.T, precision=_HIGHEST))
-    return jnp.block([[top, jnp.zeros((half, size - half), matrix.dtype)], [left, bottom]])
-
-
 def hessian_factor(hessian: jax.Array) -> jax.Array:
-    """R, upper triangular with H = R·Rᵀ, for a positive definite H[n, n] (NaNs if it is not).
+    """R, upper triangular with H = R·Rᵀ, for a positive definite H[n, n] (non-finite entries if it is not).
 
-    U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself.
+    U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself. The Cholesky is linalg.py's, in plain lax:
+    jaxlib's batched LAPACK kernels can deadlock when several host devices run them at once.
     """
-    return _cholesky(hessian[::-1, ::-1])[::-1, ::-1]
+    return cholesky(hessian[::-1, ::-1])[::-1, ::-1]
 
 
 def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
     """Quantize the columns of Wᵀ[n, rows] in order, in nested blocks of ``block_sizes`` (n divisible by the first).
 
     ``corrections_t`` holds Σ_{j<k} D_j·S_jk from columns before this block; returns
-    (residuals D = w − q [n, rows], codes uint8[n, rows], proxy loss).
+    (residuals D = w − q [n, rows], codes uint8[n, rows], squared errors summed per row [rows]: twice the
+    proxy loss of each row, which the caller sums in a fixed order).
     """
     if not block_sizes:
         target = weights_t[0] + corrections_t[0]
         dequantized, codes = quantize(target, params, grid)
         error = (target - dequantized) * factor_diag[0]
-        return (weights_t[0] - dequantized)[None], codes[None], 0.5 * jnp.sum(error * error)
+        return (weights_t[0] - dequantized)[None], codes[None], error * error
     size, inner_sizes = block_sizes[0], block_sizes[1:]
 
     def quantize_block(b, state):
-        corrections_t, residuals_t, codes_t, loss = state
+        corrections_t, residuals_t, codes_t, squared_errors = state
         start = b * size
         rows_of = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=size, axis=0)
         block_scaled = lax.dynamic_slice(scaled, (start, start), (size, size))
-        block_residuals, block_codes, block_loss = _sweep(
+        block_residuals, block_codes, block_squared_errors = _sweep(
             rows_of(weights_t), rows_of(corrections_t), block_scaled, rows_of(factor_diag), params, grid, inner_sizes)
         corrections_t = corrections_t + jnp.matmul(rows_of(scaled).T, block_residuals, precision=_HIGHEST)
         residuals_t = lax.dynamic_update_slice_in_dim(residuals_t, block_residuals, start, 0)
         codes_t = lax.dynamic_update_slice_in_dim(codes_t, block_codes, start, 0)
-        return corrections_t, residuals_t, codes_t, loss + block_loss
+        return corrections_t, residuals_t, codes_t, squared_errors + block_squared_errors
 
-    state = (corrections_t, jnp.zeros_like(weights_t), jnp.zeros(weights_t.shape, jnp.uint8), jnp.zeros((), jnp.float32))
-    _, residuals_t, codes_t, loss = lax.fori_loop(0, weights_t.shape[0] // size, quantize_block, state)
-    return residuals_t, codes_t, loss
+    state = (corrections_t, jnp.zeros_like(weights_t), jnp.zeros(weights_t.shape, jnp.uint8),
+             jnp.zeros_like(weights_t[0]))
+    _, residuals_t, codes_t, squared_errors = lax.fori_loop(0, weights_t.shape[0] // size, quantize_block, state)
+    return residuals_t, codes_t, squared_errors
 
 
 def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQConfig = GPTQConfig()) -> GPTQResult:
@@ -169,7 +159,9 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     dead = diag == 0
     diag = jnp.where(dead, 1.0, diag)
     columns = jnp.arange(cols)
-    hessian = hessian.at[columns, columns].set(diag + config.damping * diag.mean())
+    # λ = damping × mean diag(H), to 12 significant bits: exact, so it adds alike in every program (linalg.py)
+    damping_term = exact_product(jnp.float32(config.damping / cols), pairwise_sum(diag))
+    hessian = hessian.at[columns, columns].set(diag + damping_term)
     if config.act_order:
         order = jnp.argsort(-diag)
         hessian, weights, dead = hessian[order][:, order], weights[:, order], dead[order]
@@ -182,10 +174,11 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     is_padding = jnp.arange(cols + padding) >= cols
     factor = jnp.pad(factor, ((0, padding), (0, padding))) + jnp.diag(is_padding.astype(jnp.float32))
     factor_diag = jnp.diagonal(factor)
+    scaled = factor * (1 / factor_diag)[None, :]  # S = R_jk / R_kk, multiplied as in linalg.py (batch-invariant)
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0)))
-    _, codes_t, loss = _sweep(weights_t, jnp.zeros_like(weights_t), factor / factor_diag[None, :], factor_diag, params, grid,
-                              config.block_sizes)
+    _, codes_t, squared_errors = _sweep(weights_t, jnp.zeros_like(weights_t), scaled, factor_diag, params, grid,
+                                        config.block_sizes)
     codes = codes_t[:cols].T
     if config.act_order:
         codes = codes[:, jnp.argsort(order)]
-    return GPTQResult(codes, params, ok, loss)
+    return GPTQResult(codes, params, ok, 0.5 * pairwise_sum(squared_errors))

@@ -101,7 +101,8 @@ def quantize_expert_group(weights, hessians, tokens_per_expert, grid: GridConfig
 
     Returns:
       GroupResult(codes uint8[E, rows, cols], grid_params [E, rows, 2], fallback bool[E], loss float32[E]);
-      bit-identical whatever the mesh.
+      codes, grid_params and fallback are bit-identical whatever the mesh (see quant/linalg.py), the loss
+      up to float rounding.
     """
     num_experts, _, cols = jnp.shape(weights)
     if jnp.shape(hessians) != (num_experts, cols, cols) or jnp.shape(tokens_per_expert) != (num_experts,):

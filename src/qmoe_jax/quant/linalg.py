@@ -1,0 +1,112 @@
+"""Cholesky factorization and sums in plain ``lax``, for one matrix or vector (vmap them for a batch).
+
+Lingo: A[n, n] symmetric positive definite (SPD); L lower triangular with
+A = L·Lᵀ; L⁻¹ its inverse. Blocks of at most ``BASE_SIZE`` columns are factored
+column by column in one ``fori_loop``, which also inverts the block's L row
+by row. Larger matrices split in two, A = [[A11, ·], [A21, A22]] with A11's
+size a multiple of BASE_SIZE, and recurse:
+
+    L11 = chol(A11),   L21 = A21·L11⁻ᵀ,   L22 = chol(A22 − L21·L21ᵀ),
+
+so nearly all the work is matmuls. L11⁻¹ comes out of the same recursion
+(L⁻¹ = [[L11⁻¹, 0], [−L22⁻¹·L21·L11⁻¹, L22⁻¹]]), only where a caller needs it.
+
+Why not ``jnp.linalg.cholesky`` / ``lax.linalg.triangular_solve``: on CPU,
+batched calls go to jaxlib's LAPACK kernels, which split the batch into tasks
+on XLA's intra-op thread pool and block until they finish. When several host
+devices run such a call at once, every pool thread can be one of the blocked
+callers and the tasks never run: multi-device compression hung. Here
+everything is ordinary XLA ops, which no pool thread blocks on.
+
+Failures are data: where A is not positive definite, the first pivot that is
+not > 0 (or is NaN) becomes NaN, and so does L on and below the diagonal
+from that column on (callers test ``isfinite``).
+
+Batch-invariant: an item's result has the same bits whatever the batch it is
+vmapped in, so sharding experts over devices (a smaller batch per device)
+cannot change codes. XLA's reductions (``jnp.sum``, ``mean``) lack this: their
+summation order depends on the batch size, so ``pairwise_sum`` adds halves
+elementwise instead. Two rewrites depend on the program around an op (one
+device's or a shard's): XLA turns x / broadcast(p) into x · broadcast(1/p)
+in some programs only, so divisions by a pivot are written as that product;
+and XLA:CPU computes a·b + c as one FMA (rounded once) when both ops land in
+one fused kernel, so a product that callers add to something else can be
+made exact (``exact_product``), which rounds alike either way. The matmuls
+keep it (tests check all of this).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+BASE_SIZE = 128
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.matmul(a, b, precision=_HIGHEST)
+
+
+def _base_factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(L, L⁻¹) of a small SPD matrix, one step per column j: column j of L from its columns < j
+    (left-looking), which completes row j of L, then row j of L⁻¹ from its rows < j (forward substitution)."""
+    size = matrix.shape[-1]
+    rows = jnp.arange(size)
+    identity = jnp.eye(size, dtype=matrix.dtype)
+
+    def step(j, factors):
+        lower, inverse = factors  # zero from column j on (lower) and from row j on (inverse)
+        lower_row = lax.dynamic_index_in_dim(lower, j, axis=0, keepdims=False)
+        column = lax.dynamic_index_in_dim(matrix, j, axis=1, keepdims=False) - _matmul(lower, lower_row)
+        pivot = jnp.sqrt(jnp.where(column[j] > 0, column[j], jnp.nan))
+        reciprocal = 1 / pivot  # see "Batch-invariant" above
+        column = jnp.where(rows > j, column * reciprocal, jnp.where(rows == j, pivot, 0.0))
+        lower = lax.dynamic_update_index_in_dim(lower, column, j, axis=1)
+        inverse_row = (identity[j] - _matmul(lower_row, inverse)) * reciprocal
+        return lower, lax.dynamic_update_index_in_dim(inverse, inverse_row, j, axis=0)
+
+    return lax.fori_loop(0, size, step, (jnp.zeros_like(matrix), jnp.zeros_like(matrix)))
+
+
+def _factor(matrix: jax.Array, with_inverse: bool) -> tuple[jax.Array, jax.Array | None]:
+    """(L, L⁻¹ or None), splitting recursively down to blocks of at most BASE_SIZE."""
+    size = matrix.shape[-1]
+    if size <= BASE_SIZE:
+        return _base_factor(matrix)
+    half = BASE_SIZE * -(-size // (2 * BASE_SIZE))  # a multiple of BASE_SIZE: fewer, fuller base blocks
+    top, top_inverse = _factor(matrix[:half, :half], with_inverse=True)
+    left = _matmul(matrix[half:, :half], top_inverse.T)
+    bottom, bottom_inverse = _factor(matrix[half:, half:] - _matmul(left, left.T), with_inverse)
+    lower = jnp.block([[top, jnp.zeros((half, size - half), matrix.dtype)], [left, bottom]])
+    if not with_inverse:
+        return lower, None
+    inverse_left = -_matmul(bottom_inverse, _matmul(left, top_inverse))
+    inverse = jnp.block([[top_inverse, jnp.zeros((half, size - half), matrix.dtype)], [inverse_left, bottom_inverse]])
+    return lower, inverse
+
+
+def cholesky(matrix: jax.Array) -> jax.Array:
+    """Lower Cholesky factor L of an SPD matrix A[n, n] (A = L·Lᵀ), reading only A's lower triangle;
+    NaNs from the first failing column on where A is not positive definite."""
+    if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
+        raise ValueError(f"cholesky expects one square matrix [n, n] (vmap it for a batch); got {matrix.shape}")
+    return _factor(matrix, with_inverse=False)[0]
+
+
+def pairwise_sum(values: jax.Array) -> jax.Array:
+    """Sum over the last axis in a fixed order (halves added elementwise, zero-padded to even lengths),
+    so the result is batch-invariant, unlike ``jnp.sum``."""
+    while values.shape[-1] > 1:
+        if values.shape[-1] % 2:
+            values = jnp.concatenate([values, jnp.zeros_like(values[..., :1])], axis=-1)
+        half = values.shape[-1] // 2
+        values = values[..., :half] + values[..., half:]
+    return values[..., 0]
+
+
+def exact_product(a: jax.Array, b: jax.Array) -> jax.Array:
+    """a·b of float32s with both first rounded to 12 significant bits, so that the product is exact:
+    an FMA with a later sum then rounds exactly like the product and the sum apart."""
+    return lax.reduce_precision(a, 8, 11) * lax.reduce_precision(b, 8, 11)
