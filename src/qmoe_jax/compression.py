@@ -34,7 +34,7 @@ from qmoe_jax.inference.loading import infer_config
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, get_config, param_shapes
 from qmoe_jax.quant import GPTQConfig, GridConfig
 from qmoe_jax.report import build_report, summary_table, write_report
-from qmoe_jax.resume import check_resume, file_sha256
+from qmoe_jax.resume import check_resume
 
 BUNDLED_EVAL_EXAMPLES = 256
 GRIDS = {"ternary": GridConfig()} | {f"{b}bit": GridConfig(kind="minmax", bits=b) for b in (2, 3, 4, 8)}
@@ -287,7 +287,7 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
             "model": dataclasses.asdict(config),
             "source": path,
             "source_fingerprint": source_fingerprint(source),
-            "tokenizer_sha256": file_sha256(tokenizer.model_path),
+            "tokenizer_sha256": corpus.file_sha256(tokenizer.model_path),
             "grid": dataclasses.asdict(GRIDS[options.grid]),
             "settings": options.header_settings(tokenizer=os.path.basename(tokenizer.model_path),
                                                 gptq_memory_mb=gptq_memory_mb),

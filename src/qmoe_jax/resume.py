@@ -11,7 +11,6 @@ with ``--nonfinite zero``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 from qmoe_jax.checkpoints.compressed import CompressedCheckpointError
@@ -21,14 +20,6 @@ NAMED_ELSEWHERE = ("tokenizer",)  # settings compared by content, not by value
 
 class ResumeRefusedError(CompressedCheckpointError):
     """The output directory holds a run that this run may not continue."""
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _shown(value) -> str:

@@ -39,7 +39,8 @@ def data_dir() -> str:
     return os.environ.get("QMOE_JAX_DATA", os.path.join(os.path.expanduser("~"), ".cache", "qmoe_jax"))
 
 
-def _sha256(path: str) -> str:
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -73,9 +74,9 @@ def texts_dir() -> str:
         archive = os.path.join(data_dir(), ARCHIVE_NAME)
         if not os.path.isfile(archive):
             archive = _download_archive(scratch)
-        if _sha256(archive) != ARCHIVE_SHA256:
+        if file_sha256(archive) != ARCHIVE_SHA256:
             raise RuntimeError(
-                f"{archive} has SHA-256 {_sha256(archive)}, expected {ARCHIVE_SHA256}; "
+                f"{archive} has SHA-256 {file_sha256(archive)}, expected {ARCHIVE_SHA256}; "
                 "delete it and run again to re-download"
             )
         extracted = os.path.join(scratch, "texts")
