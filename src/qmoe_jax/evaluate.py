@@ -25,22 +25,13 @@ import numpy as np
 from qmoe_jax import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import EXPERT_PARALLEL, mean_cross_entropy, open_model, validation_set
-from qmoe_jax.models import config_names, get_config
+from qmoe_jax.inference import add_model_arguments, mean_cross_entropy, open_model_from_args, validation_set
 
 
 def evaluate(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m qmoe_jax.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="T5X checkpoint_<step> directory or URL, or a directory written by "
-                                             "python -m qmoe_jax.compress (default: the bundled model)")
-    parser.add_argument("--config", choices=config_names(), metavar="CONFIG",
-                        help="model config name of a T5X checkpoint (default: inferred from its shapes)")
-    parser.add_argument("--experts", choices=["compressed", "dense"],
-                        help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense)")
-    parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",
-                        help="shard compressed experts over all devices (auto: when there are several)")
-    parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
+    add_model_arguments(parser)
     parser.add_argument("--c4", help="C4 directory or glob (default: the bundled corpus's validation split)")
     parser.add_argument("--num_samples", type=int, default=None, help="validation examples (default: all)")
     parser.add_argument("--inputs_length", type=int, default=bundled.INPUTS_LENGTH)
@@ -55,8 +46,7 @@ def evaluate(argv: list[str]) -> None:
     path = args.checkpoint or bundled.checkpoint_path()
     validation = validation_set(f"c4:{args.c4}" if args.c4 else "bundled", tokenizer, args.num_samples,
                                 args.inputs_length)
-    model = open_model(path, get_config(args.config) if args.config else None, args.experts,
-                       expert_parallel=args.expert_parallel)
+    model = open_model_from_args(args)
     started = time.perf_counter()
     loss = mean_cross_entropy(model.module, model.params, validation.examples, args.batch_size,
                               validation.encoder_length, validation.decoder_length, progress=sys.stderr.isatty())

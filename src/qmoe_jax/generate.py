@@ -20,10 +20,9 @@ import time
 from qmoe_jax import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import EXPERT_PARALLEL, open_model
+from qmoe_jax.inference import add_model_arguments, open_model_from_args
 from qmoe_jax.inference.decoding import METHODS, DecodingConfig
 from qmoe_jax.inference.generation import generate_texts
-from qmoe_jax.models import get_config
 
 
 def read_prompts(path: str) -> list[str]:
@@ -43,13 +42,7 @@ def read_prompts(path: str) -> list[str]:
 def generate(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m qmoe_jax.generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="compressed directory or T5X checkpoint (default: the bundled model)")
-    parser.add_argument("--config", help="model config name of a T5X checkpoint (default: inferred)")
-    parser.add_argument("--experts", choices=["compressed", "dense"],
-                        help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense)")
-    parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",
-                        help="shard compressed experts over all devices (auto: when there are several)")
-    parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
+    add_model_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--input_file", help='JSON lines with an "inputs" field')
     parser.add_argument("--output_file", help="write JSON lines here (default: standard output)")
@@ -78,9 +71,7 @@ def generate(argv: list[str]) -> None:
 
     prompts = args.prompt or read_prompts(args.input_file)
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
-    model = open_model(args.checkpoint or bundled.checkpoint_path(),
-                       get_config(args.config) if args.config else None, args.experts,
-                       expert_parallel=args.expert_parallel)
+    model = open_model_from_args(args)
     started, generated_tokens = time.perf_counter(), 0
     out = open(args.output_file, "w") if args.output_file else sys.stdout
     try:

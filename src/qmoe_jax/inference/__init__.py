@@ -14,6 +14,8 @@ from qmoe_jax.inference.evaluation import validation_examples as validation_exam
 from qmoe_jax.inference.evaluation import validation_set as validation_set
 from qmoe_jax.inference.loading import EXPERT_PARALLEL as EXPERT_PARALLEL
 from qmoe_jax.inference.loading import OpenedModel as OpenedModel
+from qmoe_jax.inference.loading import add_model_arguments as add_model_arguments
 from qmoe_jax.inference.loading import is_compressed_checkpoint as is_compressed_checkpoint
 from qmoe_jax.inference.loading import load_t5x_params as load_t5x_params
 from qmoe_jax.inference.loading import open_model as open_model
+from qmoe_jax.inference.loading import open_model_from_args as open_model_from_args

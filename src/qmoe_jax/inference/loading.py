@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qmoe_jax import bundled
 from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
 from qmoe_jax.checkpoints.compressed import MANIFEST
 from qmoe_jax.inference.compressed import load_compressed_model
@@ -93,3 +94,22 @@ def open_model(path: str, config: SwitchConfig | None = None, experts: str | Non
     checkpoint = open_t5x_checkpoint(path)
     config = dataclasses.replace(config or infer_config(checkpoint), dtype=jnp.dtype(dtype).name)
     return OpenedModel(config, SwitchTransformer(config), load_t5x_params(checkpoint, config, dtype), "t5x", "dense")
+
+
+def add_model_arguments(parser) -> None:
+    """The flags that choose a model, shared by the commands that open one (``open_model_from_args``)."""
+    parser.add_argument("--checkpoint", help="T5X checkpoint_<step> directory or URL, or a directory written by "
+                                             "python -m qmoe_jax.compress (default: the bundled model)")
+    parser.add_argument("--config", choices=config_names(), metavar="CONFIG",
+                        help="model config name of a T5X checkpoint (default: inferred from its shapes)")
+    parser.add_argument("--experts", choices=["compressed", "dense"],
+                        help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense)")
+    parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",
+                        help="shard compressed experts over all devices (auto: when there are several)")
+    parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
+
+
+def open_model_from_args(args) -> OpenedModel:
+    """``open_model`` with the flags of ``add_model_arguments`` (default checkpoint: the bundled model)."""
+    return open_model(args.checkpoint or bundled.checkpoint_path(), get_config(args.config) if args.config else None,
+                      args.experts, expert_parallel=args.expert_parallel)
