@@ -15,3 +15,6 @@ from qmoe_jax.data.span_corruption import random_spans_noise_mask as random_span
 from qmoe_jax.data.span_corruption import span_corrupt as span_corrupt
 from qmoe_jax.data.tokenizer import Tokenizer as Tokenizer
 from qmoe_jax.data.tokenizer import train_sentencepiece as train_sentencepiece
+from qmoe_jax.data.seq2seq import Seq2SeqExample as Seq2SeqExample
+from qmoe_jax.data.seq2seq import read_jsonl as read_jsonl
+from qmoe_jax.data.seq2seq import tokenize_examples as tokenize_examples
