@@ -4,6 +4,11 @@
         --prompt "To be, or not to be, <extra_id_0> is the question."
     python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 --input_file prompts.jsonl \\
         --decoding beam --beam_size 4 --output_file out.jsonl
+    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped --prompt "..."
+
+A mapped checkpoint (``python -m qmoe_jax.convert --layout mmap``) keeps the
+expert codes on disk until routed tokens touch them (``--verify``,
+``--expert_cache_gb``), so a model larger than RAM generates.
 
 Prompts use T5's sentinel syntax: ``<extra_id_0>``, ``<extra_id_1>``, ... mark
 the spans the model fills; Switch models are trained on exactly this task.
@@ -13,6 +18,7 @@ Each output line is JSON: ``{"inputs", "generated", "tokens", "score"}``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -74,13 +80,16 @@ def generate(argv: list[str]) -> None:
     model = open_model_from_args(args)
     started, generated_tokens = time.perf_counter(), 0
     out = open(args.output_file, "w") if args.output_file else sys.stdout
+    errors = model.residency.errors() if model.residency is not None else contextlib.nullcontext()
     try:
-        for result in generate_texts(model.module, model.params, tokenizer, prompts, config, args.batch_size,
-                                     args.inputs_length, args.seed, progress=bool(args.input_file) and sys.stderr.isatty()):
-            generated_tokens += len(result.tokens)
-            out.write(json.dumps({"inputs": result.inputs, "generated": result.text, "tokens": result.tokens,
-                                  "score": round(result.score, 6)}) + "\n")
-            out.flush()
+        with errors:
+            for result in generate_texts(model.module, model.params, tokenizer, prompts, config, args.batch_size,
+                                         args.inputs_length, args.seed,
+                                         progress=bool(args.input_file) and sys.stderr.isatty()):
+                generated_tokens += len(result.tokens)
+                out.write(json.dumps({"inputs": result.inputs, "generated": result.text, "tokens": result.tokens,
+                                      "score": round(result.score, 6)}) + "\n")
+                out.flush()
     finally:
         if out is not sys.stdout:
             out.close()
