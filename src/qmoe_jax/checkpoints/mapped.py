@@ -285,6 +285,10 @@ class MappedLayer:
         self.stamp = (status.st_size, status.st_mtime_ns, status.st_ino)
         self._check_size(status.st_size, range(self.index.num_experts))
         self.map = mmap.mmap(self.fd, self.index.bytes, access=mmap.ACCESS_READ)
+        # Experts are read one by one in routing order, so the OS's read-ahead (often several MB) would read
+        # their neighbours too: reads and page faults fetch what is asked for, and ``advise`` WILLNEED asks.
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.map.madvise(mmap.MADV_RANDOM)
 
     def _check_size(self, size: int, experts: Iterable[int]) -> None:
         if size == self.index.bytes:
@@ -336,10 +340,14 @@ class MappedLayer:
         return out
 
     def advise(self, experts: Iterable[int], advice: int) -> None:
-        """``madvise`` the pages wholly inside the given experts' regions (e.g. WILLNEED, DONTNEED)."""
+        """``madvise`` the given experts' regions: for MADV_DONTNEED the pages wholly inside them (a neighbour
+        keeps its pages), otherwise every page they touch."""
         for expert in experts:
             for offset, size in self.index.regions(expert):
-                start, end = _aligned(offset), (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+                if advice == mmap.MADV_DONTNEED:
+                    start, end = _aligned(offset), (offset + size) // mmap.PAGESIZE * mmap.PAGESIZE
+                else:
+                    start, end = offset // mmap.PAGESIZE * mmap.PAGESIZE, _aligned(offset + size)
                 if end > start:
                     self.map.madvise(advice, start, end - start)
 

@@ -57,6 +57,7 @@ class ExpertResidency:
       stats: counters: ``calls``, ``routed`` (experts routed over all calls), ``verified`` and
         ``verified_bytes`` (experts read and checked), ``released`` (experts whose pages were released),
         ``seconds`` (host time in ``touch``).
+      touched: every (layer, expert) routed so far.
       error: the last error ``touch`` raised (XLA reports a callback's exception wrapped in its own).
     """
 
@@ -73,6 +74,7 @@ class ExpertResidency:
         self.resident: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
         self.resident_bytes = 0
         self.stats = collections.Counter(calls=0, routed=0, verified=0, verified_bytes=0, released=0, seconds=0.0)
+        self.touched: set[tuple[str, int]] = set()
         self.error: Exception | None = None
         if verify == "full":
             total = sum(layer.index.bytes for layer in layers.values())
@@ -105,6 +107,7 @@ class ExpertResidency:
         routed = [int(e) for e in np.flatnonzero(counts > 0)]
         self.stats["calls"] += 1
         self.stats["routed"] += len(routed)
+        self.touched.update((layer, expert) for expert in routed)
         mapped.check_unchanged(routed)
         verified = self.verified[layer]
         for expert in routed:
@@ -116,13 +119,24 @@ class ExpertResidency:
             if key in self.resident:
                 self.resident.move_to_end(key)
             else:
-                self.resident[key] = sum(size for _, size in mapped.index.regions(expert))
+                self.resident[key] = self.expert_bytes(layer, expert)
                 self.resident_bytes += self.resident[key]
         while self.resident_bytes > self.budget_bytes and len(self.resident) > len(routed):
             (name, expert), size = self.resident.popitem(last=False)
             self.layers[name].advise([expert], mmap.MADV_DONTNEED)
             self.resident_bytes -= size
             self.stats["released"] += 1
+
+    def expert_bytes(self, layer: str, expert: int) -> int:
+        """Bytes of an expert's codewords in use, row offsets and min/max (what the kernels read of it)."""
+        return sum(size for _, size in self.layers[layer].index.regions(expert))
+
+    def release_all(self) -> None:
+        """Releases every mapped page of this process (the page cache keeps them while the OS has room)."""
+        for layer in self.layers.values():
+            layer.map.madvise(mmap.MADV_DONTNEED)
+        self.resident.clear()
+        self.resident_bytes = 0
 
     @contextlib.contextmanager
     def errors(self) -> Iterator[None]:
