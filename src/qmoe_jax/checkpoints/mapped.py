@@ -21,6 +21,7 @@ a fault), and maps it read-only.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -350,6 +351,24 @@ class MappedLayer:
                     start, end = offset // mmap.PAGESIZE * mmap.PAGESIZE, _aligned(offset + size)
                 if end > start:
                     self.map.madvise(advice, start, end - start)
+
+    def poison(self) -> None:
+        """Replaces the mapping by zero pages (same address, no file behind it).
+
+        XLA runs the rest of a program after a host callback failed, so a
+        kernel may still read the mapping of a file found truncated; zero
+        pages read as experts without codewords instead of faulting. The
+        program's results are discarded with the error.
+        """
+        address = np.frombuffer(self.map, np.uint8, 1).ctypes.data
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        length = _aligned(self.index.bytes)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED: replace the pages at this address
+        if libc.mmap(address, length, mmap.PROT_READ, flags, -1, 0) != address:
+            raise OSError(ctypes.get_errno(), f"cannot replace the mapping of {self.path}")
 
     def close(self) -> None:
         self.map.close()

@@ -75,6 +75,7 @@ class ExpertResidency:
         self.resident_bytes = 0
         self.stats = collections.Counter(calls=0, routed=0, verified=0, verified_bytes=0, released=0, seconds=0.0)
         self.touched: set[tuple[str, int]] = set()
+        self.stacks = {name: layer.stacks() for name, layer in layers.items()}
         self.error: Exception | None = None
         if verify == "full":
             total = sum(layer.index.bytes for layer in layers.values())
@@ -97,10 +98,24 @@ class ExpertResidency:
             self._touch(layer, np.asarray(counts))
         except Exception as error:
             self.error = error
+            self.layers[layer].poison()  # XLA goes on after a failed callback: no kernel may read this file now
             raise
         finally:
             self.stats["seconds"] += time.perf_counter() - started
         return np.asarray(counts)
+
+    def gather(self, layer: str, expert_index: np.ndarray) -> dict[str, tuple[np.ndarray, ...]]:
+        """``touch`` for the experts of ``expert_index int32[N]`` (one per token), then their arrays copied out
+        of the mapping: ``{kernel: (codes [N, n], row_offsets [N, rows+1], minmax [N, rows, 2])}``."""
+        expert_index = np.asarray(expert_index).reshape(-1)
+        self.touch(layer, np.bincount(expert_index, minlength=self.layers[layer].index.num_experts))
+        started = time.perf_counter()
+        try:
+            return {name: tuple(np.take(array, expert_index, axis=0) for array in
+                                (stack.codes, stack.row_offsets, stack.minmax))
+                    for name, stack in self.stacks[layer].items()}
+        finally:
+            self.stats["seconds"] += time.perf_counter() - started
 
     def _touch(self, layer: str, counts: np.ndarray) -> None:
         mapped = self.layers[layer]
