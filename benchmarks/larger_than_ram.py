@@ -360,6 +360,18 @@ def main() -> None:
         print(f"{name:<18}{r['seconds']:>8.2f}{r['tokens_per_second']:>8.2f}{r['read_bytes'] / 2**20:>10.0f}"
               f"{r['routed_experts']:>9}{r['routed_expert_bytes'] / 2**20:>11.0f}{ratio:>13}{r['host_seconds']:>8.2f}"
               f"{r['memory']['VmHWM']:>11.2f}")
+    warm, idle = result["warm"], result["no_expert_work"]
+    split = {"rest of the step (attention, dense layers, routing, dispatch, loop)": idle["seconds"],
+             "expert layers, pages cached (kernels decoding the codes, host copy and checks)":
+                 warm["seconds"] - idle["seconds"],
+             "  of which host (callbacks: checks, read-ahead, copying gathered experts)": warm["host_seconds"],
+             "disk, verified experts (cold verified - warm)": result["cold_verified"]["seconds"] - warm["seconds"],
+             "first use: pread + SHA-256 (cold first use - cold verified)":
+                 result["cold_first_use"]["seconds"] - result["cold_verified"]["seconds"]}
+    result["time_split_seconds"] = split
+    print("where the time of one run goes (seconds; differences of the rows above, so noisy on a shared machine):")
+    for what, seconds in split.items():
+        print(f"  {what}: {seconds:.2f}")
     peak = result["peak"]
     print(f"peak RSS {peak['VmHWM']:.2f} GiB (at the end: anonymous {peak['RssAnon']:.2f}, file-backed "
           f"{peak['RssFile']:.2f}); same tokens cold and warm: {result['same_tokens']}")
