@@ -284,6 +284,7 @@ class MappedLayer:
                                     f"re-run `{CONVERT}`") from error
         status = os.fstat(self.fd)
         self.stamp = (status.st_size, status.st_mtime_ns, status.st_ino)
+        self.damaged: MappedExpertError | None = None
         self._check_size(status.st_size, range(self.index.num_experts))
         self.map = mmap.mmap(self.fd, self.index.bytes, access=mmap.ACCESS_READ)
         # Experts are read one by one in routing order, so the OS's read-ahead (often several MB) would read
@@ -296,12 +297,23 @@ class MappedLayer:
             return
         past = [e for e in experts if max(o + n for o, n in self.index.regions(e)) > size]
         which = f"expert {past[0]} (and {len(past) - 1} more) lies past its end" if past else "no expert lies past it"
-        raise MappedExpertError(f"{self.path} has {size} bytes but the manifest recorded {self.index.bytes} (it was "
-                                f"truncated or changed after the manifest was written); in layer {self.name}, {which}",
-                                f"re-run `{CONVERT}` to write it again")
+        self._damaged(MappedExpertError(
+            f"{self.path} has {size} bytes but the manifest recorded {self.index.bytes} (it was truncated or changed "
+            f"after the manifest was written); in layer {self.name}, {which}", f"re-run `{CONVERT}` to write it again"))
+
+    def _damaged(self, error: MappedExpertError) -> None:
+        """Raises ``error``; once the file is mapped, first replaces the mapping by zero pages (``poison``) and
+        keeps the error, so that every later use of this layer raises it too."""
+        if hasattr(self, "map"):
+            if self.damaged is None:
+                self.poison()
+            self.damaged = error
+        raise error
 
     def check_unchanged(self, experts: Iterable[int]) -> None:
         """Raises ``MappedExpertError`` naming the file and an expert if the file was resized or rewritten."""
+        if self.damaged is not None:
+            raise self.damaged
         status = os.fstat(self.fd)
         experts = list(experts)
         self._check_size(status.st_size, experts)
@@ -315,9 +327,9 @@ class MappedLayer:
         for offset, size in self.index.regions(expert):
             part = os.pread(self.fd, size, offset)
             if len(part) != size:
-                raise MappedExpertError(f"{self.path} ends inside expert {expert} of layer {self.name} (read "
-                                        f"{len(part)} of {size} bytes at offset {offset}); it was truncated",
-                                        f"re-run `{CONVERT}` to write it again")
+                self._damaged(MappedExpertError(
+                    f"{self.path} ends inside expert {expert} of layer {self.name} (read {len(part)} of {size} bytes "
+                    f"at offset {offset}); it was truncated", f"re-run `{CONVERT}` to write it again"))
             parts.append(part)
         return parts
 
@@ -358,7 +370,8 @@ class MappedLayer:
         XLA runs the rest of a program after a host callback failed, so a
         kernel may still read the mapping of a file found truncated; zero
         pages read as experts without codewords instead of faulting. The
-        program's results are discarded with the error.
+        program's results are discarded with the error, and the layer raises
+        it at every later use (``check_unchanged``).
         """
         address = np.frombuffer(self.map, np.uint8, 1).ctypes.data
         libc = ctypes.CDLL(None, use_errno=True)

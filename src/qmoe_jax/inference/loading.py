@@ -80,7 +80,9 @@ def open_model(path: str, config: SwitchConfig | None = None, experts: str | Non
       config: the model config of a T5X checkpoint (None: inferred from its
         shapes); a compressed directory carries its own.
       experts: "compressed" (fused kernels; the default for compressed
-        directories) or "dense" (dequantized; the only form of a T5X checkpoint).
+        directories), "dense" (dequantized; the only form of a T5X checkpoint)
+        or "mapped" (fused kernels on memory-mapped stacks; the only form of a
+        mapped directory, docs/format.md §9).
       dtype: of the parameters and the activations (float32 or bfloat16).
       expert_parallel: compressed experts only: "on" shards every expert stack
         over all devices (mesh axis ``expert``; with ``jax.distributed``, the

@@ -7,7 +7,10 @@ as an argument in place. So the fused kernels read the routed experts' bytes
 straight from the mapping, and the OS page cache is the expert cache; the
 loader checks the aliasing and refuses to copy a stack into memory.
 
-What the host still does, once per sparse layer call (``ExpertResidency.touch``):
+Calls of at most 16 tokens (decoding) instead get their routed experts'
+arrays copied out of the mapping by the host (``ExpertResidency.gather``,
+see ``models.mapped_experts``). What the host does, once per sparse layer
+call (``ExpertResidency.touch``):
 
 - verification: ``lazy`` (the default) reads each expert with ``pread`` and
   checks its SHA-256 the first time it is routed; ``full`` checks every expert
@@ -98,7 +101,6 @@ class ExpertResidency:
             self._touch(layer, np.asarray(counts))
         except Exception as error:
             self.error = error
-            self.layers[layer].poison()  # XLA goes on after a failed callback: no kernel may read this file now
             raise
         finally:
             self.stats["seconds"] += time.perf_counter() - started
