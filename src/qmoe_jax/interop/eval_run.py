@@ -190,8 +190,8 @@ def run_evaluation(settings: EvalSettings, definitions: list[Task | Mixture], mo
     tasks = resolve(settings.mixture_or_task_name, definitions)
     tokenizer = Tokenizer(settings.tokenizer or bundled.tokenizer_path())
     step = checkpoint_step(settings.checkpoint_path)
-    data = {task.name: load_task(task, tokenizer, settings.task_feature_lengths) for task in tasks}
     opened = open_evaluated_model(settings, model, list(model_files))
+    data = {task.name: load_task(task, tokenizer, settings.task_feature_lengths) for task in tasks}
     results = {}
     with claimed(settings.output_dir, EVAL_OUTPUT) as output_dir:
         manifest = os.path.join(output_dir, MANIFEST)
