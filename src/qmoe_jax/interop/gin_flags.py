@@ -173,8 +173,10 @@ def parse_gin(gin_files: list[str], bindings: list[str], search_path_list: str =
         if undefined:
             name = undefined.group(1)
             used = [line.where for line in lines if re.search(rf"%{name}\b", line.text)]
+            fix = ("add a model gin file, e.g. --gin_file=models/switch_base_8.gin" if name == "MODEL" else
+                   f"define it (--gin.{name}=...) or fix the name")
             raise GinConfigError(f"unknown gin macro %{name}, used at {', '.join(used) or 'a binding'} but never "
-                                 f"defined; define it (--gin.{name}=...) or fix the name") from None
+                                 f"defined; {fix}") from None
         raise GinConfigError(f"gin: {_one_line(error)}") from None
     except Exception as error:  # gin's parser raises SyntaxError, tokenize errors and others on malformed text
         raise GinConfigError(f"cannot parse the gin config ({', '.join(files)} and {len(bindings)} binding(s)): "
