@@ -7,6 +7,7 @@ README, "Stock T5X") and is skipped elsewhere.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from child_process import child_env
 from test_inference import compressed_tiny  # noqa: F401  (the fixture)
 
 from qmoe_jax import bundled
+from qmoe_jax import evaluate as evaluate_cli
 from qmoe_jax import export as export_cli
 from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.output_dir import OutputDirectoryError
@@ -106,7 +108,8 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     flaxformer_root = os.path.dirname(os.path.dirname(os.path.abspath(flaxformer.__file__)))
     command = [sys.executable, "-m", "t5x.eval", f"--gin_search_paths={flaxformer_root},{CONFIGS_DIR}",
                "--gin_file=t5x/switch_mini_8_eval.gin", f"--gin.CHECKPOINT_PATH='{written.rstrip('/')}'",
-               f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 't5x_eval'}'", f"--gin.VOCABULARY_FILE='{bundled.tokenizer_path()}'",
+               f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 't5x_eval'}'",
+               f"--gin.VOCABULARY_FILE='{bundled.tokenizer_path()}'",
                "--gin.MIXTURE_OR_TASK_NAME='qmoe_span_corruption'", f"--gin.QMOE_NUM_EXAMPLES={examples}"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
                             env=child_env())
@@ -123,6 +126,30 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     ours = score_examples(model.module, model.params, found.examples, 32, found.encoder_length, found.decoder_length)
     np.testing.assert_allclose(t5x_scores, ours.log_likelihoods, rtol=1e-4)
     assert metrics[0]["mean_log_likelihood"] == pytest.approx(ours.log_likelihoods.mean(), rel=1e-4)
-    print(f"t5x.eval: {json.dumps(metrics[0])}; qmoe_jax compressed: mean log-likelihood "
+    print(f"span corruption, t5x.eval: {json.dumps(metrics[0])}; qmoe_jax compressed: mean log-likelihood "
           f"{ours.log_likelihoods.mean():.6f}; largest per-example difference "
           f"{np.abs(t5x_scores - ours.log_likelihoods).max():.2e}")
+
+    # A JSON-lines task, tokenized by seqio in T5X and by qmoe_jax here: same ids, scores and greedy predictions.
+    jsonl = tmp_path / "pairs.jsonl"
+    jsonl.write_text("".join(json.dumps({"inputs": a, "targets": b}) + "\n" for a, b in [
+        ("To be, or not to be, that is the question.", "Whether tis nobler in the mind to suffer"),
+        ("Friends, Romans, countrymen, lend me your ears.", "I come to bury Caesar, not to praise him."),
+        ("What's in a name?", "That which we call a rose")]))
+    lengths = "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 16}"
+    command = command[:-2] + [lengths, "--gin.MIXTURE_OR_TASK_NAME='qmoe_jsonl_seq2seq'",
+                              f"--gin.QMOE_JSONL_FILE='{jsonl}'"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=child_env())
+    assert result.returncode == 0, result.stderr[-4000:]
+    theirs = [json.loads(line) for line in open(out / "qmoe_jsonl_seq2seq-006000.jsonl")]
+    evaluate_cli.evaluate(["--gin_file=runs/eval.gin", "--gin_file=models/switch_mini_8.gin",
+                           f"--gin.CHECKPOINT_PATH='{compressed}'", f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 'ours'}'",
+                           "--gin.MIXTURE_OR_TASK_NAME='jsonl_seq2seq'", f"--gin.JSONL_FILE='{jsonl}'", lengths])
+    mine = [json.loads(line) for line in open(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")]
+    assert [t["input"]["targets"] for t in theirs] == [m["input"]["targets"] for m in mine]
+    np.testing.assert_allclose([t["score"] for t in theirs], [m["score"] for m in mine], rtol=1e-4)
+    # seqio's decoder puts spaces around sentinels, qmoe_jax's does not.
+    unspaced = lambda text: re.sub(r"\s*(<extra_id_\d+>)\s*", r"\1", text)  # noqa: E731
+    assert [unspaced(t["prediction"]) for t in theirs] == [unspaced(m["prediction"]) for m in mine]
+    print(f"seq2seq, t5x.eval: {[round(t['score'], 4) for t in theirs]}; qmoe_jax compressed: "
+          f"{[round(m['score'], 4) for m in mine]}; predictions equal")

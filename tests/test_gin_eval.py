@@ -13,7 +13,6 @@ from test_inference import compressed_tiny  # noqa: F401  (the fixture)
 
 from qmoe_jax import evaluate as evaluate_cli
 from qmoe_jax.checkpoints.output_dir import OutputDirectoryError
-from qmoe_jax.data import Tokenizer
 from qmoe_jax.inference import open_model, validation_set
 from qmoe_jax.inference.decoding import DecodingConfig
 from qmoe_jax.inference.generation import generate_texts
@@ -153,8 +152,9 @@ def error_of(argv, capsys) -> str:
     return capsys.readouterr().err
 
 
-def test_bad_gin_input_names_the_problem_and_the_file(setup, tmp_path, capsys):
+def test_bad_gin_input_names_the_problem_and_the_file(setup, compressed_tiny, tmp_path, capsys):  # noqa: F811
     directory, root, text, _, tokenizer = setup
+    t5x_checkpoint = compressed_tiny[0]
     base = ["--gin_file=runs/eval.gin", "--gin_file=tiny.gin", f"--gin_search_paths={root}",
             f"--gin.CHECKPOINT_PATH='{directory}'", f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 'out'}'",
             f"--gin.TOKENIZER='{tokenizer.model_path}'", f"--gin.TEXT_FILES='{text}'"]
@@ -184,6 +184,9 @@ def test_bad_gin_input_names_the_problem_and_the_file(setup, tmp_path, capsys):
     # The bundled model's gin on the tiny checkpoint: each differing shape is named, with the file.
     err = error_of(["--gin_file=runs/eval.gin", "--gin_file=models/switch_mini_8.gin"] + named[2:], capsys)
     assert "switch_mini_8.gin" in err and "EMBED_DIM (d_model) is 128 in the gin config but 32" in err
+    err = error_of(["--gin_file=runs/eval.gin", "--gin_file=models/switch_mini_8.gin", f"--gin.CHECKPOINT_PATH="
+                    f"'{t5x_checkpoint}'", "--gin.EXPERTS='dense'"] + named[4:], capsys)
+    assert "switch_mini_8.gin) disagrees with" in err and "has shape (32,) in the checkpoint" in err
     assert not (tmp_path / "out").exists()  # nothing is written before the input is checked
 
     err = error_of(["--gin.EXPERTS='dense'"], capsys)

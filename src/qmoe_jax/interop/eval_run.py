@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 from qmoe_jax import bundled
+from qmoe_jax.checkpoints import ShapeMismatchError
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
 from qmoe_jax.data import Tokenizer
@@ -91,7 +92,8 @@ class EvalSettings:
 def check_model_config(model: SwitchConfig, found: SwitchConfig, checkpoint: str, model_files: list[str]) -> None:
     """Raises ``ModelConfigMismatch`` naming each shape field where the gin model and the checkpoint differ."""
     differ = [f"{macro} ({field}) is {getattr(model, field)!r} in the gin config but {getattr(found, field)!r} in "
-              f"the checkpoint" for field, macro in SHAPE_FIELDS.items() if getattr(model, field) != getattr(found, field)]
+              "the checkpoint" for field, macro in SHAPE_FIELDS.items()
+              if getattr(model, field) != getattr(found, field)]
     if differ:
         raise ModelConfigMismatch(
             f"the model gin ({', '.join(model_files) or 'the bindings'}) disagrees with {checkpoint}: "
@@ -119,11 +121,12 @@ def open_evaluated_model(settings: EvalSettings, model: SwitchConfig | None, mod
                          "(EXPERTS='compressed' needs a directory written by python -m qmoe_jax.compress)")
     try:
         return open_model(path, model, experts="dense", dtype=dtype)
-    except ValueError as error:
+    except ShapeMismatchError as error:
         if model is None:
             raise
+        lines = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
         raise ModelConfigMismatch(f"the model gin ({', '.join(model_files) or 'the bindings'}) disagrees with "
-                                  f"{path}: {error}") from None
+                                  f"{path}: {lines}") from None
 
 
 def _write_atomic(path: str, text: str) -> None:
