@@ -3,12 +3,15 @@
 import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import gin
 import numpy as np
 import pytest
+from child_process import TESTS_DIR, child_env
 from conftest import synthetic_sentences
-from switch_fixtures import TINY, write_calibration_text
+from switch_fixtures import TINY, write_c4_shard, write_calibration_text
 from test_inference import compressed_tiny  # noqa: F401  (the fixture)
 
 from qmoe_jax import evaluate as evaluate_cli
@@ -125,6 +128,20 @@ def test_mixture_from_a_user_gin_file_and_flag_precedence(setup, tmp_path):
     assert "BATCH_SIZE = 8" in (out / "config.gin").read_text()
 
 
+def test_c4_task_reads_the_validation_shards_and_names_its_macro(setup, tmp_path, capsys):
+    c4 = tmp_path / "c4"
+    c4.mkdir()
+    write_c4_shard(c4 / "c4-validation.00000-of-00008.json.gz", synthetic_sentences(200, seed=5))
+    write_c4_shard(c4 / "c4-train.00000-of-01024.json.gz", ["never read"] * 10)
+    out = tmp_path / "eval"
+    run(setup, out, f"--gin.C4_DIR='{c4}'",
+        "--gin_bindings=c4_span_corruption/qmoe_jax.SpanCorruptionTask.num_examples = 4", task="c4_span_corruption")
+    (metrics,) = read_lines(out / "inference_eval" / "c4_span_corruption-metrics.jsonl")
+    assert metrics["examples"] == 4 and metrics["loss"] > 0
+    with pytest.raises(ValueError, match="C4_DIR"):
+        run(setup, tmp_path / "other", task="c4_span_corruption")
+
+
 @gin.configurable("take_model")
 def take_model(model=gin.REQUIRED):
     return model
@@ -198,3 +215,29 @@ def test_refuses_an_output_directory_it_does_not_own(setup, tmp_path):
     with pytest.raises(OutputDirectoryError, match="is not empty and is not a qmoe_jax evaluation output directory"):
         run(setup, tmp_path)
     assert (tmp_path / "other.txt").read_text() == "not ours"
+
+
+@pytest.mark.slow
+def test_readme_command_on_the_main_job_output(tmp_path):
+    """The README's gin command, run from the repository root on the main job's output, then with dense experts,
+    gives the loss of the plain `python -m qmoe_jax.evaluate --checkpoint` to 1e-4."""
+    repo = os.path.dirname(TESTS_DIR)
+    compressed = os.path.join("runs", "compressed", "switch-mini-8")
+    if not os.path.isfile(os.path.join(repo, compressed, "manifest.json")):
+        pytest.skip(f"{compressed} is missing: run the README's main job (python -m qmoe_jax.compress) first")
+    out = tmp_path / "eval"
+    command = [sys.executable, "-m", "qmoe_jax.evaluate", "--gin_file=runs/eval.gin",
+               "--gin_file=models/switch_mini_8.gin", f"--gin.CHECKPOINT_PATH='{compressed}'",
+               f"--gin.EVAL_OUTPUT_DIR='{out}'", "--gin.MIXTURE_OR_TASK_NAME='bundled_span_corruption'"]
+    for extra in ([], ["--gin.EXPERTS='dense'"]):
+        result = subprocess.run(command + extra, cwd=repo, env=child_env(), capture_output=True, text=True,
+                                timeout=900)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "MIXTURE_OR_TASK_NAME = 'bundled_span_corruption'" in (out / "config.gin").read_text()
+    compressed_line, dense_line = read_lines(out / "inference_eval" / "bundled_span_corruption-metrics.jsonl")
+    assert compressed_line["step"] == 6000 and abs(compressed_line["loss"] - dense_line["loss"]) < 1e-4
+    assert len(read_lines(out / "inference_eval" / "bundled_span_corruption-006000.jsonl")) == dense_line["examples"]
+    plain = subprocess.run([sys.executable, "-m", "qmoe_jax.evaluate", "--checkpoint", compressed], cwd=repo,
+                           env=child_env(), capture_output=True, text=True, timeout=900)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert abs(json.loads(plain.stdout)["validation_loss"] - compressed_line["loss"]) < 1e-5
