@@ -206,6 +206,12 @@ def test_bad_gin_input_names_the_problem_and_the_file(setup, compressed_tiny, tm
     assert "switch_mini_8.gin) disagrees with" in err and "has shape (32,) in the checkpoint" in err
     assert not (tmp_path / "out").exists()  # nothing is written before the input is checked
 
+    err = error_of([arg for arg in named if not arg.startswith("--gin.TOKENIZER")], capsys)  # the bundled tokenizer
+    assert "has 4100 ids but the model" in err and "embeds only 192" in err and "TOKENIZER" in err
+
+    err = error_of(named + ["--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'target': 8}"], capsys)
+    assert "TASK_FEATURE_LENGTHS has unknown features ['target']" in err
+
     err = error_of(["--gin.EXPERTS='dense'"], capsys)
     assert "--gin.EXPERTS needs --gin_file" in err
 

@@ -194,6 +194,10 @@ def run_evaluation(settings: EvalSettings, definitions: list[Task | Mixture], mo
     tokenizer = Tokenizer(settings.tokenizer or bundled.tokenizer_path())
     step = checkpoint_step(settings.checkpoint_path)
     opened = open_evaluated_model(settings, model, list(model_files))
+    if tokenizer.vocab_size > opened.config.vocab_size:
+        raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model "
+                         f"{settings.checkpoint_path} embeds only {opened.config.vocab_size}; set TOKENIZER to the "
+                         "model's SentencePiece model")
     data = {task.name: load_task(task, tokenizer, settings.task_feature_lengths) for task in tasks}
     results = {}
     with claimed(settings.output_dir, EVAL_OUTPUT) as output_dir:

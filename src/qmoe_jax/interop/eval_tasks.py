@@ -122,6 +122,9 @@ def load_task(task: Task, tokenizer: Tokenizer, feature_lengths: Mapping[str, in
     unknown = sorted(set(lengths) - {"inputs", "targets"})
     if unknown:
         raise ValueError(f"TASK_FEATURE_LENGTHS has unknown features {unknown}; use 'inputs' and 'targets'")
+    for feature, length in lengths.items():
+        if not isinstance(length, int) or isinstance(length, bool) or length < 4:
+            raise ValueError(f"TASK_FEATURE_LENGTHS['{feature}'] must be an integer of at least 4, got {length!r}")
     if isinstance(task, SpanCorruptionTask):
         if task.source != "bundled" and not task.location:
             raise ValueError(f"task {task.name!r} reads {task.source} data but its location is not set; set "
