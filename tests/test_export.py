@@ -1,8 +1,8 @@
 """python -m qmoe_jax.export: a compressed checkpoint as a dequantized bfloat16 T5X checkpoint.
 
 The last test runs stock t5x.eval (google-research/t5x with flaxformer) on an
-export; it needs an environment where ``import t5x, flaxformer`` works (see the
-README, "Stock T5X") and is skipped elsewhere.
+export; it needs an environment where ``import t5x, flaxformer`` works (docs/gin.md
+§7 says how to build one) and is skipped elsewhere.
 """
 
 import json
@@ -94,7 +94,7 @@ def _t5x_available() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not _t5x_available(), reason="stock T5X is not installed (import t5x, flaxformer fails); "
-                                                  "README 'Stock T5X' says how to build that environment")
+                                                  "docs/gin.md §7 says how to build that environment")
 def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     """Exports the README main job's output, runs ``python -m t5x.eval`` on it with configs/t5x/, and compares its
     per-example scores with qmoe_jax's fused-kernel scores of the compressed checkpoint."""

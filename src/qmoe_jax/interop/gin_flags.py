@@ -127,6 +127,16 @@ def _lines(path: str, paths: list[str], seen: tuple[str, ...] = ()) -> list[GinS
     return out
 
 
+def _set_search_paths(paths: list[str]) -> None:
+    """Makes ``paths`` gin's include search paths, dropping those of an earlier parse in this process (gin only
+    appends, and would look in a stale folder first)."""
+    prefixes = getattr(gin.config, "_LOCATION_PREFIXES", None)
+    if isinstance(prefixes, list):
+        del prefixes[1:]  # keep gin's own '' (paths as given)
+    for path in paths:
+        gin.add_config_file_search_path(path)
+
+
 @contextlib.contextmanager
 def _quiet_root_logger():
     logger = logging.getLogger()
@@ -157,8 +167,7 @@ def parse_gin(gin_files: list[str], bindings: list[str], search_path_list: str =
                         f"--gin_bindings={b!r}", b) for b in bindings]
     parsed = ParsedGin(tuple(files), tuple(lines))
     gin.clear_config()
-    for path in paths:
-        gin.add_config_file_search_path(path)
+    _set_search_paths(paths)
     try:
         with _quiet_root_logger():  # gin logs "Path not found" for every search path it tries before the right one
             gin.parse_config_files_and_bindings(files, bindings)
