@@ -5,7 +5,13 @@
     python -m qmoe_jax.evaluate --checkpoint gs://.../checkpoint_500100 --config switch-base-8 \\
         --tokenizer cc_all.32000/sentencepiece.model --c4 /data/c4/en --num_samples 1000
 
-Prints one JSON line: the loss (nats per target token, length-weighted), the
+With ``--gin_file`` it runs gin-driven, as ``t5x.eval`` does (docs/gin.md):
+
+    python -m qmoe_jax.evaluate --gin_file=runs/eval.gin --gin_file=models/switch_mini_8.gin \\
+        --gin.CHECKPOINT_PATH="'runs/compressed/switch-mini-8'" --gin.EVAL_OUTPUT_DIR="'runs/eval'" \\
+        --gin.MIXTURE_OR_TASK_NAME="'bundled_span_corruption'"
+
+Without it, it prints one JSON line: the loss (nats per target token, length-weighted), the
 number of examples, the uniform predictor's loss for scale, target tokens per
 second and wall seconds of the evaluation (compilation included), and the
 process's peak resident memory.
@@ -26,9 +32,19 @@ from qmoe_jax import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer
 from qmoe_jax.inference import add_model_arguments, mean_cross_entropy, open_model_from_args, validation_set
+from qmoe_jax.interop.gin_flags import uses_gin
 
 
 def evaluate(argv: list[str]) -> None:
+    if uses_gin(argv):
+        from qmoe_jax.interop.gin_eval import evaluate_with_gin  # imports gin only in gin mode
+
+        evaluate_with_gin(argv)
+        return
+    gin_flags = [arg for arg in argv if arg.startswith(("--gin.", "--gin_bindings", "--gin_search_paths"))]
+    if gin_flags:
+        raise ValueError(f"{gin_flags[0].split('=')[0]} needs --gin_file (e.g. --gin_file=runs/eval.gin "
+                         "--gin_file=models/switch_mini_8.gin)")
     parser = argparse.ArgumentParser(prog="python -m qmoe_jax.evaluate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(parser)

@@ -10,6 +10,7 @@ MoE routing groups, and with them the result, are reproducible.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import itertools
 from collections.abc import Mapping
 
@@ -20,20 +21,26 @@ from tqdm import tqdm
 
 from qmoe_jax import bundled
 from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, batch_examples, c4_documents, corpus
-from qmoe_jax.data import span_corruption_examples
+from qmoe_jax.data import span_corruption_examples, text_file_documents
 
 Example = tuple[np.ndarray, np.ndarray]
 
 
 def validation_documents(source: str):
     """Documents of a validation source: "bundled" (the bundled corpus's held-out
-    plays) or "c4:<dir or glob>" (C4's validation shards)."""
+    plays), "c4:<dir or glob>" (C4's validation shards) or "text:<glob>" (each
+    matching UTF-8 file is one document, in sorted path order)."""
     if source == "bundled":
         return corpus.documents("validation")
     kind, _, location = source.partition(":")
     if kind == "c4" and location:
         return c4_documents(location, split="validation")
-    raise ValueError(f"unknown validation source {source!r}; use 'bundled' or 'c4:<dir or glob>'")
+    if kind == "text" and location:
+        paths = sorted(glob.glob(location))
+        if not paths:
+            raise ValueError(f"no text files match {location!r} (validation source {source!r})")
+        return text_file_documents(paths)
+    raise ValueError(f"unknown validation source {source!r}; use 'bundled', 'c4:<dir or glob>' or 'text:<glob>'")
 
 
 def validation_examples(documents, tokenizer: Tokenizer, config: SpanCorruptionConfig,

@@ -53,7 +53,18 @@ def generate_texts(model, params, tokenizer: Tokenizer, prompts: Sequence[str], 
     if not prompts:
         raise ValueError("no prompts to generate from")
     tokens = encode_prompts(tokenizer, prompts, inputs_length)
-    starts = range(0, len(prompts), batch_size)
+    for prompt, (ids, score) in zip(prompts, generate_tokens(model, params, tokens, config, batch_size, seed,
+                                                              progress)):
+        yield Generated(prompt, tokenizer.decode(ids), ids, score)
+
+
+def generate_tokens(model, params, tokens: np.ndarray, config: DecodingConfig, batch_size: int = 8,
+                    seed: int = 0, progress: bool = False) -> Iterator[tuple[list[int], float]]:
+    """Decodes ``tokens int32[N, L_enc]`` (prompts with EOS, padded with 0) ``batch_size`` rows at a time.
+
+    Yields (generated ids up to and including EOS, score) per row, in order.
+    """
+    starts = range(0, len(tokens), batch_size)
     if progress:
         starts = tqdm(starts, desc="generate", unit="batch")
     rng = jax.random.PRNGKey(seed)
@@ -66,5 +77,4 @@ def generate_texts(model, params, tokenizer: Tokenizer, prompts: Sequence[str], 
         for row in range(len(batch)):
             ids = [int(t) for t in out_tokens[row]]
             ids = ids[: ids.index(EOS_ID) + 1] if EOS_ID in ids else [t for t in ids if t]
-            yield Generated(prompts[start + row], tokenizer.decode(ids), ids, float(scores[row]))
-
+            yield ids, float(scores[row])

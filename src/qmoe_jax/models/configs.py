@@ -7,8 +7,11 @@ tokens one expert takes from one group, ``max(round(CF * tokens_per_group / E),
 min_expert_capacity)``.
 
 Values of the released "switch_classic" checkpoints come from flaxformer's
-``switch_classic_{base,large,xxl,c}.gin`` (which include ``tokens_choose_base.gin``
-and ``moe.gin``) and from t5x's ``docs/models.md``.
+``flaxformer/t5x/configs/moe/models/switch_{base,large,xxl,c}.gin`` (named
+``switch_classic_*.gin`` before 2022; they include ``tokens_choose_*.gin`` and
+``architectures/moe.gin``) and from t5x's ``docs/models.md``. The gin files
+``qmoe_jax/configs/models/<name>.gin`` bind each config with those files' macro
+names.
 """
 
 from __future__ import annotations
