@@ -41,6 +41,14 @@ def test_empty_and_missing_files(tmp_path):
         read_jsonl(str(tmp_path / "absent.jsonl"))
 
 
+def test_sentinels_in_targets_are_sentinel_ids(tmp_path, tiny_tokenizer):
+    path = write_lines(tmp_path / "task.jsonl", [json.dumps({"inputs": "the <extra_id_0> runs",
+                                                             "targets": "<extra_id_0> model <extra_id_1>"})])
+    (_, targets), = tokenize_examples(read_jsonl(path), tiny_tokenizer)
+    expected = [tiny_tokenizer.sentinel(0), *tiny_tokenizer.encode("model"), tiny_tokenizer.sentinel(1), EOS_ID]
+    assert targets.tolist() == expected
+
+
 def test_tokenize_appends_eos_and_truncates(tmp_path, tiny_tokenizer):
     path = write_lines(tmp_path / "task.jsonl", [json.dumps({"inputs": "the model <extra_id_0> runs",
                                                              "targets": "the sparse dense switch layer"})])

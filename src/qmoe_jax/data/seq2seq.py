@@ -2,8 +2,9 @@
 
 The generic text-to-text form of T5 tasks: each line is one JSON object with
 two strings. Both are tokenized with the model's vocabulary and end with EOS,
-as T5's ``seqio`` preprocessors append it. Inputs may hold ``<extra_id_j>``
-sentinel marks (span infilling), which become sentinel ids.
+as T5's ``seqio`` preprocessors append it. Inputs and targets may hold
+``<extra_id_j>`` sentinel marks (span infilling), which become sentinel ids, as
+seqio's vocabulary (its sentinels are user-defined pieces) tokenizes them.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def tokenize_example(example: Seq2SeqExample, tokenizer: Tokenizer, inputs_lengt
         return np.asarray(ids, np.int32)
 
     return (tokens(tokenizer.encode_with_sentinels(example.inputs), inputs_length),
-            tokens(tokenizer.encode(example.targets), targets_length))
+            tokens(tokenizer.encode_with_sentinels(example.targets), targets_length))
 
 
 def tokenize_examples(examples: list[Seq2SeqExample], tokenizer: Tokenizer, inputs_length: int | None = None,
