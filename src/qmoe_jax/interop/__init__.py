@@ -1,0 +1,1 @@
+"""Interoperation with other projects' files: the QMoE authors' published compressed models."""
