@@ -12,7 +12,7 @@ experts are repeated, each saved as its own tensor (torch.save writes every
 storage once), so the files have the real size.
 
 The import runs in child processes: one stopped after the dense part (its
-peak RSS, ru_maxrss, is the dense part's), then one that resumes it and
+peak RSS, VmHWM, is the dense part's), then one that resumes it and
 imports the layers (its peak is the layers'); both are compared with a child
 that only imports the importer (the baseline: Python, JAX, Orbax). The
 files were just written, so they are read from the page cache: time per GB
@@ -39,7 +39,7 @@ import numpy as np
 D_MODEL, D_FF, HEADS, D_KV, VOCAB = 2080, 6144, 30, 64, 32128
 P0 = 0.885
 CHILD = """
-import json, resource, sys, time
+import json, sys, time
 from qmoe_jax.interop import qmoe_import
 mode, seconds = sys.argv[1], {}
 if mode == "dense":  # stop before the first layer: the peak of reading and writing the dense part
@@ -53,7 +53,9 @@ if mode != "baseline":
         seconds = dict(report["seconds"], wall=time.perf_counter() - started)
     except KeyboardInterrupt:
         seconds = {"wall": time.perf_counter() - started}
-print(json.dumps({"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "seconds": seconds}))
+with open("/proc/self/status") as f:  # VmHWM: this process's peak RSS (ru_maxrss would count the parent's too)
+    peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+print(json.dumps({"peak_rss_bytes": peak, "seconds": seconds}))
 """
 
 
@@ -127,49 +129,62 @@ def _child(*args: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def measure(work: str, experts: int, patterns: int, seed: int) -> dict:
+    """Builds the synthetic directory with ``experts`` experts per layer, imports it, deletes both."""
+    source, output = os.path.join(work, "synthetic_qmoe"), os.path.join(work, "imported")
+    try:
+        tick = time.perf_counter()
+        write_directory(source, experts, patterns, seed)
+        made = time.perf_counter() - tick
+        layer_bytes = [os.path.getsize(os.path.join(source, f"exp{n:02d}.pt")) for n in range(2)]
+        dense = _child("dense", source, output)  # interrupted after the dense part ...
+        run = _child("resume", source, output)  # ... and resumed: the layers only
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+        shutil.rmtree(output, ignore_errors=True)
+    seconds = run["seconds"]
+    gb = sum(layer_bytes) / 1e9
+    return {"experts_per_layer": experts, "layer_file_bytes": max(layer_bytes),
+            "dense_peak_rss_bytes": dense["peak_rss_bytes"], "dense_seconds": dense["seconds"]["wall"],
+            "layers_peak_rss_bytes": run["peak_rss_bytes"], "layer_seconds": seconds,
+            "layer_seconds_per_gb": (seconds["hash"] + seconds["read"] + seconds["write"]) / gb,
+            **{f"{stage}_seconds_per_gb": seconds[stage] / gb for stage in ("hash", "read", "write")},
+            "synthetic_write_seconds": made}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--experts", type=int, default=128, help="experts per layer (c-2048: 2048)")
+    parser.add_argument("--experts", type=int, nargs="+", default=[256, 512],
+                        help="experts per layer, one run each (c-2048: 2048); the first and last give the slope")
     parser.add_argument("--patterns", type=int, default=8, help="distinct synthetic experts, repeated")
     parser.add_argument("--work_dir", help="where the synthetic directory and the output go (deleted afterwards)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="qmoe_import_bench_")
-    source, output = os.path.join(work, "synthetic_qmoe"), os.path.join(work, "imported")
     try:
-        tick = time.perf_counter()
-        write_directory(source, args.experts, args.patterns, args.seed)
-        made = time.perf_counter() - tick
-        layer_bytes = [os.path.getsize(os.path.join(source, f"exp{n:02d}.pt")) for n in range(2)]
-        dense_bytes = os.path.getsize(os.path.join(source, "noexp.pt"))
         baseline = _child("baseline")
-        dense = _child("dense", source, output)  # interrupted after the dense part ...
-        run = _child("resume", source, output)  # ... and resumed: the layers only
-        seconds = run["seconds"]
-        layer_seconds = seconds["hash"] + seconds["read"] + seconds["write"]
-        gb = sum(layer_bytes) / 1e9
-        above = run["peak_rss_bytes"] - baseline["peak_rss_bytes"]
-        result = {
-            "experts_per_layer": args.experts, "layer_file_bytes": layer_bytes, "noexp_bytes": dense_bytes,
-            "baseline_peak_rss_bytes": baseline["peak_rss_bytes"], "dense_peak_rss_bytes": dense["peak_rss_bytes"],
-            "layers_peak_rss_bytes": run["peak_rss_bytes"], "layers_rss_above_baseline_per_layer_file":
-                above / max(layer_bytes), "dense_seconds": dense["seconds"]["wall"], "layer_seconds": seconds,
-            "layer_seconds_per_gb": layer_seconds / gb,
-            **{f"{stage}_seconds_per_gb": seconds[stage] / gb for stage in ("hash", "read", "write")},
-            "synthetic_write_seconds": made,
-        }
-        print(f"layer files: 2 x {max(layer_bytes) / 1e9:.3f} GB ({args.experts} experts of 6144x2080 + 2080x6144); "
-              f"noexp.pt {dense_bytes / 1e9:.3f} GB")
-        print(f"peak RSS: baseline (imports only) {baseline['peak_rss_bytes'] / 2**30:.2f} GiB; dense part "
-              f"{dense['peak_rss_bytes'] / 2**30:.2f} GiB; layers {run['peak_rss_bytes'] / 2**30:.2f} GiB = baseline + "
-              f"{result['layers_rss_above_baseline_per_layer_file']:.2f} x one layer file")
-        print(f"time: dense part {dense['seconds']['wall']:.1f} s; layers {result['layer_seconds_per_gb']:.1f} s/GB "
-              f"(SHA-256 {result['hash_seconds_per_gb']:.1f}, read + check {result['read_seconds_per_gb']:.1f}, "
-              f"write (Orbax, checksums) {result['write_seconds_per_gb']:.1f}); whole resumed run "
-              f"{seconds['wall']:.1f} s")
-        print(json.dumps(result))
+        runs = [measure(work, experts, args.patterns, args.seed) for experts in args.experts]
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    print(f"baseline (Python + qmoe_jax imported): peak RSS {baseline['peak_rss_bytes'] / 2**30:.2f} GiB")
+    print(f"{'experts':>8}{'layer file GB':>15}{'dense peak GiB':>16}{'layers peak GiB':>17}{'s/GB':>7}"
+          f"{'SHA-256':>9}{'read+check':>12}{'write':>7}")
+    for run in runs:
+        print(f"{run['experts_per_layer']:>8}{run['layer_file_bytes'] / 1e9:>15.3f}"
+              f"{run['dense_peak_rss_bytes'] / 2**30:>16.2f}{run['layers_peak_rss_bytes'] / 2**30:>17.2f}"
+              f"{run['layer_seconds_per_gb']:>7.1f}{run['hash_seconds_per_gb']:>9.1f}{run['read_seconds_per_gb']:>12.1f}"
+              f"{run['write_seconds_per_gb']:>7.1f}")
+    result = {"baseline_peak_rss_bytes": baseline["peak_rss_bytes"], "runs": runs}
+    if len(runs) > 1:
+        first, last = runs[0], runs[-1]
+        slope = ((last["layers_peak_rss_bytes"] - first["layers_peak_rss_bytes"])
+                 / (last["layer_file_bytes"] - first["layer_file_bytes"]))
+        result["peak_rss_per_layer_file_byte"] = slope
+        result["peak_rss_intercept_bytes"] = last["layers_peak_rss_bytes"] - slope * last["layer_file_bytes"]
+        print(f"layers' peak RSS = {result['peak_rss_intercept_bytes'] / 2**30:.2f} GiB + {slope:.2f} x one layer "
+              f"file; c-2048 (5.2 GB layer files): about "
+              f"{(result['peak_rss_intercept_bytes'] + slope * 5.2e9) / 2**30:.1f} GiB")
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

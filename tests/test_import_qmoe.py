@@ -100,6 +100,9 @@ def test_malformed_files_name_themselves(tmp_path):
     path.write_bytes(b"not a zip")
     with pytest.raises(torch_pickle.TorchFileError, match=r"x\.pt is not a complete PyTorch file"):
         torch_pickle.load(str(path))
+    path.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:00\nsize 5\n")
+    with pytest.raises(torch_pickle.TorchFileError, match=r"x\.pt is a Git LFS pointer.*git lfs pull"):
+        torch_pickle.load(str(path))
 
 
 # ---- the importer ----------------------------------------------------------------------------------

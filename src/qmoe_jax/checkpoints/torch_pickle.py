@@ -44,6 +44,7 @@ STORAGE_DTYPES = {
 }
 _LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")  # a zip entry's local file header (30 bytes)
 _LOCAL_HEADER_SIGNATURE = 0x04034B50
+_LFS_POINTER = b"version https://git-lfs.github.com/spec/"
 
 
 class TorchFileError(ValueError):
@@ -131,6 +132,10 @@ class _Archive:
 
     def __init__(self, path: str):
         self.path = path
+        with open(path, "rb") as f:
+            if f.read(len(_LFS_POINTER)) == _LFS_POINTER:
+                raise TorchFileError(f"{path} is a Git LFS pointer, not the file itself; run `git lfs pull` in its "
+                                     "repository to download it")
         try:
             self.zip = zipfile.ZipFile(path)
         except zipfile.BadZipFile as error:
@@ -150,14 +155,9 @@ class _Archive:
                 raise TorchFileError(f"{path} was saved on a {order}-endian machine; only little-endian PyTorch "
                                      "files are read")
         self.file = open(path, "rb")
-        size = os.fstat(self.file.fileno()).st_size
-        self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+        self.size = os.fstat(self.file.fileno()).st_size
+        self._map: mmap.mmap | None = None  # mapped on first use: reading with read_into maps nothing
         self.arrays: dict[str, np.ndarray] = {}
-
-    def close(self) -> None:
-        self.arrays.clear()
-        self.zip.close()
-        self.file.close()  # the memory map stays valid until its last view is gone
 
     def _info(self, key: str) -> zipfile.ZipInfo:
         info = self.infos.get(f"{self.prefix}data/{key}")
@@ -170,7 +170,7 @@ class _Archive:
         return self._info(key).compress_type == zipfile.ZIP_STORED
 
     def _data_offset(self, info: zipfile.ZipInfo) -> int:
-        header = self.map[info.header_offset: info.header_offset + _LOCAL_HEADER.size] if self.map else b""
+        header = os.pread(self.file.fileno(), _LOCAL_HEADER.size, info.header_offset)
         if len(header) < _LOCAL_HEADER.size:
             raise TorchFileError(f"{self.path}: entry {info.filename} lies past the end of the file; the file is "
                                  "truncated; download it again")
@@ -178,9 +178,9 @@ class _Archive:
         if fields[0] != _LOCAL_HEADER_SIGNATURE:
             raise TorchFileError(f"{self.path}: entry {info.filename} has no valid zip header; the file is damaged")
         start = info.header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
-        if start + info.file_size > len(self.map):
+        if start + info.file_size > self.size:
             raise TorchFileError(f"{self.path}: entry {info.filename} needs {start + info.file_size} bytes but "
-                                 f"the file has {len(self.map)}; the file is truncated; download it again")
+                                 f"the file has {self.size}; the file is truncated; download it again")
         return start
 
     def _checked_size(self, storage: _Storage, info: zipfile.ZipInfo) -> None:
@@ -196,7 +196,9 @@ class _Archive:
             info = self._info(storage.key)
             self._checked_size(storage, info)
             if info.compress_type == zipfile.ZIP_STORED:
-                array = np.frombuffer(self.map, storage.dtype, storage.numel, self._data_offset(info)) \
+                if self._map is None:
+                    self._map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_READ)
+                array = np.frombuffer(self._map, storage.dtype, storage.numel, self._data_offset(info)) \
                     if storage.numel else np.zeros(0, storage.dtype)
             else:
                 try:
