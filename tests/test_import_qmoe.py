@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from child_process import run_python
 from qmoe_fixtures import BF16, Call, Global, hf_config, save_pt, t5x_to_hf, ternary_state, write_qmoe_directory
-from switch_fixtures import random_params
 
 from qmoe_jax import import_qmoe as import_cli
 from qmoe_jax import ops
@@ -22,7 +21,7 @@ from qmoe_jax.inference.compressed import load_compressed_model
 from qmoe_jax.interop import qmoe_import
 from qmoe_jax.interop.qmoe_config import read_qmoe_config
 from qmoe_jax.interop.qmoe_layout import QMoEDirectory
-from qmoe_jax.models import get_config
+from qmoe_jax.models import get_config, param_shapes
 
 TOLERANCE = 1e-4
 
@@ -38,10 +37,21 @@ def torch_free_directory(root, full_sparse=False, seed=0):
     config_path = root / "probe.json"
     config_path.write_text(json.dumps(values))
     config, _ = read_qmoe_config(str(config_path))
-    state = ternary_state(t5x_to_hf(random_params(config, seed), config))
+    state = ternary_state(t5x_to_hf(random_tree(config, seed), config))
     directory = str(root / "model_qmoe")
     write_qmoe_directory(directory, values, state, use_torch=False)
     return directory, config, state
+
+
+def random_tree(config, seed):
+    """Random parameters of the model's shapes (norm scales near 1), without compiling its init."""
+    rng = np.random.default_rng(seed)
+
+    def leaf(path, shape):
+        noise = rng.standard_normal(shape.shape).astype(np.float32)
+        return 1 + 0.1 * noise if path[-1].key == "scale" else 0.2 * noise
+
+    return jax.tree_util.tree_map_with_path(leaf, param_shapes(config))
 
 
 @pytest.fixture(scope="module")
@@ -289,6 +299,7 @@ def test_imported_logits_equal_hugging_face(tmp_path, full_sparse):
     assert np.abs(expected).max() > 0.1
 
 
+@pytest.mark.slow
 def test_evaluate_and_generate_run_on_an_import(torch_free, tmp_path, tiny_tokenizer):
     directory, _, _ = torch_free
     out = str(tmp_path / "imported")
