@@ -314,3 +314,17 @@ def test_evaluate_and_generate_run_on_an_import(torch_free, tmp_path, tiny_token
                          "--prompt", "the small <extra_id_0> model", "--max_decode_length", "4"], timeout=600)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1])["inputs"] == "the small <extra_id_0> model"
+
+
+def test_damaged_layer_is_imported_again(torch_free, tmp_path):
+    directory, _, _ = torch_free
+    out = tmp_path / "out"
+    qmoe_import.import_qmoe(directory, str(out), log=quiet, progress=False)
+    before = CompressedCheckpoint(str(out)).manifest["layers"]["decoder.layers_1.mlp"]["checksums"]
+    (out / "layers" / "decoder.layers_1.mlp" / "arrays" / "manifest.ocdbt").unlink()
+    lines = []
+    qmoe_import.import_qmoe(directory, str(out), log=lines.append, progress=False)
+    assert any(line.startswith("repairing layer decoder.layers_1.mlp") for line in lines)
+    checkpoint = CompressedCheckpoint(str(out))
+    assert checkpoint.complete and checkpoint.manifest["layers"]["decoder.layers_1.mlp"]["checksums"] == before
+    checkpoint.layer("decoder.layers_1.mlp")  # reads back, checksums verified

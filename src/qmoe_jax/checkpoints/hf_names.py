@@ -1,4 +1,4 @@
-"""Hugging Face SwitchTransformers parameter names and their places in the T5X tree (docs/qmoe_import.md §3).
+"""Hugging Face SwitchTransformers parameter names and their places in the T5X tree (docs/qmoe_import.md §5).
 
 HF names a torch ``Linear`` weight ``W[out, in]`` (``y = W·x``); T5X stores the
 kernel ``K[in, out]`` (``y = x·K``), so every kernel is the HF weight
