@@ -19,6 +19,7 @@ changed.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import os
@@ -103,6 +104,15 @@ def _recheck_sources(writer: CompressedCheckpointWriter, layers: dict[str, Layer
             writer.discard_layer(name)
 
 
+def _release_freed_memory() -> None:
+    """Returns freed heap memory to the system (glibc ``malloc_trim``): tensorstore's encode buffers, freed after
+    a layer is written, otherwise stay resident and add one layer's size to the next layer's peak."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to trim
+
+
 def _resume_advice(writer: CompressedCheckpointWriter, layers: dict[str, LayerFile]) -> str:
     done = len(writer.finished_layers())
     return f"re-run the same command to resume ({done} of {len(layers)} layers imported)"
@@ -163,6 +173,7 @@ def _import(directory: QMoEDirectory, layers: dict[str, LayerFile], writer: Comp
     if not writer.has_dense():
         tick = time.perf_counter()
         writer.write_dense(directory.dense_params())
+        _release_freed_memory()
         seconds["dense"] = time.perf_counter() - tick
     dictionary = build_dictionary(DEFAULT_P0)
     fingerprint = writer.write_dictionary(dictionary)
@@ -181,6 +192,7 @@ def _import(directory: QMoEDirectory, layers: dict[str, LayerFile], writer: Comp
                      "source_sha256": sha256, "seconds": {"hash": hashed - tick, "read": read - hashed}}
             writer.write_layer(name, arrays, stats)
             del arrays
+            _release_freed_memory()
             seconds["write"] += time.perf_counter() - read
             bar.update(os.path.getsize(layer.path))
     total, experts = _parameter_counts(directory)
