@@ -16,6 +16,7 @@ torch = pytest.importorskip("torch", reason="parity tests need torch (pip instal
 transformers = pytest.importorskip(
     "transformers", reason="parity tests need transformers (pip install transformers protobuf)")
 
+from qmoe_jax.checkpoints import hf_names  # noqa: E402
 from qmoe_jax.models import MoeLayer, SwitchConfig, SwitchTransformer  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -50,58 +51,9 @@ def our_config(tied: bool) -> SwitchConfig:
 
 
 def hf_to_t5x(model, config: SwitchConfig) -> dict:
-    """Maps HF SwitchTransformers weights (torch Linear: W[out, in]) into the T5X tree."""
-    sd = {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
-
-    def linear(name):
-        return {"kernel": sd[f"{name}.weight"].T}
-
-    def attention(prefix):
-        return {ours: linear(f"{prefix}.{theirs}") for ours, theirs in
-                (("query", "q"), ("key", "k"), ("value", "v"), ("out", "o"))}
-
-    def mlp(prefix, sparse):
-        if not sparse:
-            return {"wi": linear(f"{prefix}.wi"), "wo": linear(f"{prefix}.wo")}
-        experts = range(config.num_experts)
-        return {
-            "router": {"router_weights": {"w": linear(f"{prefix}.router.classifier")}},
-            "expert": {
-                "wi": {"kernel": np.stack([sd[f"{prefix}.experts.expert_{e}.wi.weight"].T for e in experts])},
-                "wo": {"kernel": np.stack([sd[f"{prefix}.experts.expert_{e}.wo.weight"].T for e in experts])},
-            },
-        }
-
-    def scale(name):
-        return {"scale": sd[f"{name}.weight"]}
-
-    encoder = {"relpos_bias": {"rel_embedding":
-                               sd["encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].T},
-               "encoder_norm": scale("encoder.final_layer_norm")}
-    for i in range(config.num_encoder_layers):
-        block = f"encoder.block.{i}.layer"
-        encoder[f"layers_{i}"] = {
-            "pre_attention_layer_norm": scale(f"{block}.0.layer_norm"),
-            "attention": attention(f"{block}.0.SelfAttention"),
-            "pre_mlp_layer_norm": scale(f"{block}.1.layer_norm"),
-            "mlp": mlp(f"{block}.1.mlp", config.is_sparse_layer(i, decoder=False)),
-        }
-    decoder = {"relpos_bias": {"rel_embedding":
-                               sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"].T},
-               "decoder_norm": scale("decoder.final_layer_norm")}
-    for i in range(config.num_decoder_layers):
-        block = f"decoder.block.{i}.layer"
-        decoder[f"layers_{i}"] = {
-            "pre_self_attention_layer_norm": scale(f"{block}.0.layer_norm"),
-            "self_attention": attention(f"{block}.0.SelfAttention"),
-            "pre_cross_attention_layer_norm": scale(f"{block}.1.layer_norm"),
-            "encoder_decoder_attention": attention(f"{block}.1.EncDecAttention"),
-            "pre_mlp_layer_norm": scale(f"{block}.2.layer_norm"),
-            "mlp": mlp(f"{block}.2.mlp", config.is_sparse_layer(i, decoder=True)),
-        }
-    if config.logits_dense:
-        decoder["logits_dense"] = linear("lm_head")
-    return {"token_embedder": {"embedding": sd["shared.weight"]}, "encoder": encoder, "decoder": decoder}
+    """Maps HF SwitchTransformers weights into the T5X tree in float32 (``checkpoints.hf_names``)."""
+    state = {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    return hf_names.hf_to_t5x(state, config)
 
 
 def make_inputs(seed: int, padded: bool):

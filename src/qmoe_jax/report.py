@@ -54,10 +54,11 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
             "bits_per_weight": bits / weights,
             "compression_rate": 16.0 * weights / bits,
             "kernels": kernels,
-            "fallback_experts": stats["fallback_experts"],
+            # Imported layers (python -m qmoe_jax.import_qmoe) have no calibration stats: null.
+            "fallback_experts": stats.get("fallback_experts"),
             "output_error": stats.get("output_error"),
-            "tokens_per_expert": stats["tokens_per_expert"],
-            "dropped_tokens": stats["dropped_tokens"],
+            "tokens_per_expert": stats.get("tokens_per_expert"),
+            "dropped_tokens": stats.get("dropped_tokens"),
             "dictionary": stats["dictionary"],
             "seconds": stats["seconds"],
         })
@@ -88,7 +89,7 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
             "dictionary_bytes": dictionary_bits / 8,
             "compression_rate": 16.0 * total_parameters / compressed_bits,
         },
-        "fallback_experts": sum(layer["fallback_experts"] for layer in layers),
+        "fallback_experts": sum(layer["fallback_experts"] or 0 for layer in layers),
         "nonfinite_zeroed": manifest["nonfinite_zeroed"],
         "seconds": stage_seconds,
     }
@@ -106,12 +107,12 @@ def summary_table(report: dict) -> str:
     lines = [f"{'layer':<24}{'zeros':>8}{'bits/w':>9}{'rate':>8}{'fallback':>10}{'tokens/expert min/mean/max':>31}"
              f"{'output error (hessian / premasked)':>38}"]
     for layer in report["layers"]:
-        tpe = layer["tokens_per_expert"]
+        tpe, fallback = layer["tokens_per_expert"], layer["fallback_experts"]
+        tokens = f"{tpe['min']:>12d} / {tpe['mean']:>7.1f} / {tpe['max']:<6d}" if tpe else f"{'-':>12}{'':>18}"
         lines.append(
             f"{layer['name']:<24}{layer['zero_fraction']:>8.3f}{layer['bits_per_weight']:>9.3f}"
-            f"{layer['compression_rate']:>7.1f}x{layer['fallback_experts']:>10d}"
-            f"{tpe['min']:>12d} / {tpe['mean']:>7.1f} / {tpe['max']:<6d}"
-            f"{_error_cell(layer.get('output_error')):>38}"
+            f"{layer['compression_rate']:>7.1f}x{'-' if fallback is None else fallback:>10}"
+            f"{tokens}{_error_cell(layer.get('output_error')):>38}"
         )
     moe, model = report["moe"], report["model"]
     lines.append(

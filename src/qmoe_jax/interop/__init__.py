@@ -1,1 +1,2 @@
-"""Bridges to the T5X world: gin-driven evaluation with T5X's flags and output layout, and T5X export."""
+"""Interoperation with other projects: gin-driven evaluation with T5X's flags and output layout, the export
+to stock T5X, and the QMoE authors' published compressed models."""
