@@ -35,6 +35,7 @@ from qmoe_jax.checkpoints.compressed import MANIFEST
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.codec import CompressedExperts
+from qmoe_jax.compression import resolve_config
 from qmoe_jax.data import Tokenizer
 from qmoe_jax.finetuning import export
 from qmoe_jax.finetuning.metrics import plot_metrics
@@ -44,7 +45,6 @@ from qmoe_jax.finetuning.trainable import flatten, merge, select_trainable, spli
 from qmoe_jax.inference.decoding import DecodingConfig, generate
 from qmoe_jax.inference.evaluation import model_inputs, padded_batches, token_cross_entropy
 from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
-from qmoe_jax.models import get_config
 from qmoe_jax.models.lora import LORA, init_adapter
 from qmoe_jax.training import moe_aux_losses
 
@@ -62,7 +62,7 @@ class FinetuneOptions:
 
     Attributes:
       checkpoint: a compressed directory or a T5X checkpoint (None: the bundled T5X model).
-      config: model config name of a T5X checkpoint (None: inferred from its shapes).
+      config: model config name, or JSON file of ``SwitchConfig`` fields, of a T5X checkpoint (None: inferred).
       task: see ``finetuning.tasks``.
       output_dir: the run directory (``finetuning.state``).
       trainable: regular expressions selecting trainable parameter paths (None: attention, layer norms,
@@ -168,7 +168,7 @@ def make_train_step(module, optimizer: optax.GradientTransformation, accumulate:
         (grads, metrics), _ = jax.lax.scan(micro, zeros, (batches, jnp.arange(accumulate)))
         grads, metrics = jax.tree.map(lambda x: x / accumulate, (grads, metrics))
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = optax.tree_utils.tree_l2_norm(grads)
         return optax.apply_updates(trainable, updates), opt_state, metrics
 
     return step
@@ -240,7 +240,7 @@ def finetune(options: FinetuneOptions, log: Callable[[str], None] = print, progr
     devices = jax.device_count()
     if options.batch_size % devices:
         raise ValueError(f"--batch_size {options.batch_size} must be divisible by the {devices} devices")
-    opened = open_model(path, get_config(options.config) if options.config else None, dtype=jnp.float32)
+    opened = open_model(path, resolve_config(options.config) if options.config else None, dtype=jnp.float32)
     if tokenizer.vocab_size > opened.config.vocab_size:
         raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model only "
                          f"{opened.config.vocab_size}; pass the model's own tokenizer with --tokenizer")
