@@ -282,3 +282,26 @@ def test_data_parallel_on_four_devices_follows_the_one_device_loss_curve(tiny, t
         if train1 is not None:
             assert abs(train1 - train4) < 1e-4
         assert abs(valid1 - valid4) < 1e-4
+
+
+def test_tasks_hold_out_validation_and_batches_depend_on_the_step_only(tmp_path, tiny_tokenizer):
+    text = tmp_path / "a.txt"
+    text.write_text("\n".join(synthetic_sentences(3000, seed=5)))
+    task = load_task(f"span_corruption:text:{tmp_path}/*.txt", tiny_tokenizer, 32, 4)
+    assert not task.generative and len(task.validation) == 4
+    from qmoe_jax.data import SpanCorruptionConfig, token_chunks
+
+    config = SpanCorruptionConfig(inputs_length=32)
+    every = [c for c in token_chunks([text.read_text()], tiny_tokenizer, config) if c.size == config.lengths[0]]
+    assert [c.tobytes() for c in task.chunks] == [c.tobytes() for i, c in enumerate(every) if i % 20]
+    third = list(zip(range(3), task.batches(4, seed=1)))[2][1]
+    resumed = next(task.batches(4, seed=1, start_step=2))
+    for key in third:
+        np.testing.assert_array_equal(third[key], resumed[key])
+
+    lines = [json.dumps({"inputs": s, "targets": s.split()[0]}) for s in synthetic_sentences(50, seed=6)]
+    (tmp_path / "train.jsonl").write_text("\n".join(lines))
+    task = load_task(f"jsonl:{tmp_path / 'train.jsonl'}", tiny_tokenizer, 32, 100)
+    assert task.generative and len(task.examples) == 45 and len(task.validation) == 5
+    with pytest.raises(ValueError, match="no text files match"):
+        load_task(f"span_corruption:text:{tmp_path}/*.md", tiny_tokenizer, 32, 4)

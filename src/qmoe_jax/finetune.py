@@ -34,6 +34,8 @@ def parse_options(argv: list[str]) -> FinetuneOptions:
     parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
     parser.add_argument("--task", default=DEFAULTS.task)
     parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--experts", choices=["compressed", "dense"], default=DEFAULTS.experts,
+                        help="a compressed checkpoint's frozen experts: fused kernels, or dequantized (the control)")
     parser.add_argument("--trainable", help="comma-separated regular expressions of parameter paths to train "
                                             "(default: everything but the experts); expert adapters always train")
     parser.add_argument("--expert_lora_rank", type=int, default=0, help="LoRA rank on every expert (0: off)")

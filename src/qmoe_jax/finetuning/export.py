@@ -21,7 +21,7 @@ import numpy as np
 from qmoe_jax.checkpoints import write_t5x_checkpoint
 from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointWriter
 from qmoe_jax.codec import CompressedExperts
-from qmoe_jax.finetuning.trainable import flatten, unflatten
+from qmoe_jax.finetuning.trainable import EXPERT_KERNEL, flatten, unflatten
 from qmoe_jax.models.lora import LORA
 
 
@@ -30,11 +30,11 @@ def _host_float32(tree: dict) -> dict:
 
 
 def dense_and_adapters(params: dict) -> tuple[dict, dict]:
-    """(every parameter but the expert stacks and adapters, ``{layer: {kernel: adapter}}``) of a compressed
-    model's tree, on the host in float32."""
+    """(every parameter but the expert kernels (compressed or dequantized) and adapters,
+    ``{layer: {kernel: adapter}}``) of a compressed model's tree, on the host in float32."""
     dense, adapters = {}, {}
     for path, leaf in flatten(params).items():
-        if isinstance(leaf, CompressedExperts):
+        if isinstance(leaf, CompressedExperts) or EXPERT_KERNEL.search(path):  # frozen: the source's codes
             continue
         if f"/expert/{LORA}/" in path:
             layer, _, rest = path.partition(f"/expert/{LORA}/")

@@ -16,6 +16,7 @@ compressed experts sharded over them as in expert-parallel inference.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import os
 import resource
@@ -41,7 +42,7 @@ from qmoe_jax.finetuning import export
 from qmoe_jax.finetuning.metrics import plot_metrics
 from qmoe_jax.finetuning.state import FINETUNE_OUTPUT, MODEL, RunDirectory
 from qmoe_jax.finetuning.tasks import Task, load_task
-from qmoe_jax.finetuning.trainable import flatten, merge, select_trainable, split, unflatten
+from qmoe_jax.finetuning.trainable import EXPERT_KERNEL, flatten, merge, select_trainable, split, unflatten
 from qmoe_jax.inference.decoding import DecodingConfig, generate
 from qmoe_jax.inference.evaluation import model_inputs, padded_batches, token_cross_entropy
 from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
@@ -64,6 +65,8 @@ class FinetuneOptions:
       checkpoint: a compressed directory or a T5X checkpoint (None: the bundled T5X model).
       config: model config name, or JSON file of ``SwitchConfig`` fields, of a T5X checkpoint (None: inferred).
       task: see ``finetuning.tasks``.
+      experts: a compressed source's frozen experts: "compressed" (fused kernels) or "dense" (dequantized to
+        float32: the uncompressed control of the cost benchmark).
       output_dir: the run directory (``finetuning.state``).
       trainable: regular expressions selecting trainable parameter paths (None: attention, layer norms,
         routers, embeddings, relative position biases and dense MLPs); expert adapters always train.
@@ -80,6 +83,7 @@ class FinetuneOptions:
     task: str = "name_the_work"
     output_dir: str = _not_in_settings("runs/finetune")
     tokenizer: str | None = None
+    experts: str = "compressed"
     trainable: tuple[str, ...] | None = None
     expert_lora_rank: int = 0
     steps: int = 300
@@ -104,6 +108,8 @@ class FinetuneOptions:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.expert_lora_rank < 0:
             raise ValueError(f"--expert_lora_rank must be 0 (off) or positive, got {self.expert_lora_rank}")
+        if self.experts not in ("compressed", "dense"):
+            raise ValueError(f"--experts must be compressed or dense, got {self.experts!r}")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"--activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
         if self.dropout_rate is not None and not 0.0 <= self.dropout_rate < 1.0:
@@ -156,7 +162,7 @@ def make_train_step(module, optimizer: optax.GradientTransformation, accumulate:
 
     gradient = jax.value_and_grad(loss_fn, has_aux=True)
 
-    @jax.jit
+    @functools.partial(jax.jit, donate_argnums=(0, 1))  # the old parameters and moments are not kept
     def step(trainable, opt_state, frozen, batches, rng):
         def micro(carry, inputs):
             batch, index = inputs
@@ -168,7 +174,7 @@ def make_train_step(module, optimizer: optax.GradientTransformation, accumulate:
         (grads, metrics), _ = jax.lax.scan(micro, zeros, (batches, jnp.arange(accumulate)))
         grads, metrics = jax.tree.map(lambda x: x / accumulate, (grads, metrics))
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        metrics["grad_norm"] = optax.tree_utils.tree_l2_norm(grads)
+        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         return optax.apply_updates(trainable, updates), opt_state, metrics
 
     return step
@@ -200,7 +206,8 @@ def evaluate(module, eval_step, trainable, frozen, batches: list[dict], generati
             matches += int(np.sum(np.all(np.asarray(decoded.tokens) == targets, axis=1) & real))
             examples += int(real.sum())
     loss_sum, weight_sum, correct = totals
-    record = {"validation_loss": loss_sum / max(weight_sum, 1.0), "validation_token_accuracy": correct / max(weight_sum, 1.0)}
+    record = {"validation_loss": loss_sum / max(weight_sum, 1.0),
+              "validation_token_accuracy": correct / max(weight_sum, 1.0)}
     if generative:
         record["validation_exact_match"] = matches / max(examples, 1)
     return record
@@ -211,8 +218,8 @@ def add_expert_adapters(params: dict, rank: int, rng: jax.Array) -> dict:
     flat = flatten(params)
     stacks = {path: leaf for path, leaf in flat.items() if isinstance(leaf, CompressedExperts)}
     if not stacks:
-        raise ValueError("--expert_lora_rank needs compressed experts: pass a directory written by "
-                         "`python -m qmoe_jax.compress` (this checkpoint's experts are dense)")
+        raise ValueError("--expert_lora_rank needs compressed experts on the fused kernels: pass a directory "
+                         "written by `python -m qmoe_jax.compress`, with --experts compressed")
     for index, (path, stack) in enumerate(sorted(stacks.items())):
         expert, _, kernel = path.rpartition("/")
         adapter = init_adapter(jax.random.fold_in(rng, index), stack.num_experts, stack.rows, stack.cols, rank)
@@ -240,7 +247,9 @@ def finetune(options: FinetuneOptions, log: Callable[[str], None] = print, progr
     devices = jax.device_count()
     if options.batch_size % devices:
         raise ValueError(f"--batch_size {options.batch_size} must be divisible by the {devices} devices")
-    opened = open_model(path, resolve_config(options.config) if options.config else None, dtype=jnp.float32)
+    compressed = is_compressed_checkpoint(path)
+    opened = open_model(path, resolve_config(options.config) if options.config else None,
+                        options.experts if compressed else None, dtype=jnp.float32)
     if tokenizer.vocab_size > opened.config.vocab_size:
         raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model only "
                          f"{opened.config.vocab_size}; pass the model's own tokenizer with --tokenizer")
@@ -251,6 +260,9 @@ def finetune(options: FinetuneOptions, log: Callable[[str], None] = print, progr
     if options.expert_lora_rank:
         params = add_expert_adapters(params, options.expert_lora_rank, jax.random.PRNGKey(options.seed + 1))
     trainable_paths = select_trainable(params, options.trainable)
+    if compressed and any(EXPERT_KERNEL.search(p) for p in trainable_paths):
+        raise ValueError("the expert kernels of a compressed checkpoint stay frozen (its output keeps their codes); "
+                         "train them through --expert_lora_rank, or leave them out of --trainable")
     trainable, frozen = split(params, trainable_paths)
 
     mesh = opened.mesh or jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",))
