@@ -264,6 +264,8 @@ def finetune(options: FinetuneOptions, log: Callable[[str], None] = print, progr
         raise ValueError("the expert kernels of a compressed checkpoint stay frozen (its output keeps their codes); "
                          "train them through --expert_lora_rank, or leave them out of --trainable")
     trainable, frozen = split(params, trainable_paths)
+    del params
+    opened.params = None  # the loaded tree is now the two parts; keep no second reference to its arrays
 
     mesh = opened.mesh or jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",))
     replicated = NamedSharding(mesh, PartitionSpec())
