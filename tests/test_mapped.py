@@ -180,3 +180,20 @@ def test_bad_requests_are_refused_with_the_fix(checkpoints, tmp_path):
         convert_to_mapped(compressed, mapped)
     with pytest.raises(SystemExit):
         generate_cli.main(["--checkpoint", compressed, "--experts", "mapped", "--prompt", "x"])
+
+
+def test_checkpoint_with_expert_adapters_is_not_converted(checkpoints, tmp_path):
+    """A fine-tuned checkpoint's LoRA adapters (docs/format.md §8.9) have no place in the mapped layout: refused,
+    never silently dropped."""
+    import json
+
+    source = copy(checkpoints[0], tmp_path)
+    manifest_path = os.path.join(source, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    manifest["adapters"] = {"rank": 2, "checksums": {}, "files": {}}
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CompressedCheckpointError, match="expert LoRA adapters"):
+        convert_to_mapped(source, str(tmp_path / "mapped"))
+    assert not os.path.exists(tmp_path / "mapped" / "layers")

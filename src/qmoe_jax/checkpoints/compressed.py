@@ -53,6 +53,7 @@ ORBAX_TEMPORARY = r"\.orbax-checkpoint-tmp.*"  # where Orbax writes a tree befor
 LAYER_DIRECTORY = re.compile(r"^(encoder|decoder)\.layers_(\d+)\.mlp(\.partial)?$")
 DICTIONARY_DIRECTORY = re.compile(rf"^[0-9a-f]{{16}}({ORBAX_TEMPORARY})?$")
 DENSE_TEMPORARY = re.compile(rf"^dense{ORBAX_TEMPORARY}$")
+ADAPTERS = "adapters"  # optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
 RERUN = "re-run the same `python -m qmoe_jax.compress` command"
 
 
@@ -365,6 +366,19 @@ class CompressedCheckpointWriter:
             self._unfinish()
         return found
 
+    def write_adapters(self, adapters: dict, rank: int) -> None:
+        """Saves expert LoRA adapters ``{layer: {kernel: {"a": [E, r, in], "b": [E, out, r]}}}`` (§8.9)."""
+        adapters = traverse_util.unflatten_dict(
+            {(*layer.split("."), *key): value for layer, kernels in adapters.items()
+             for key, value in traverse_util.flatten_dict(kernels).items()})
+        _require_finite(adapters, "expert adapters")
+        path = os.path.join(self.directory, ADAPTERS)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        _save_tree(path, adapters)
+        self.manifest[ADAPTERS] = {"rank": rank, "checksums": _flat_checksums(adapters), "files": _file_sizes(path)}
+        self._commit()
+
     def finalize(self, report: dict) -> None:
         self.manifest["complete"] = True
         self.manifest["report"] = report
@@ -425,6 +439,20 @@ class CompressedCheckpoint:
             raise CompressedCheckpointError(f"dictionary {record['directory']} does not match its fingerprint "
                                             "(the file is corrupt)", fix)
         return Dictionary.from_entries(entries, record["p0"])
+
+    def adapters(self) -> dict | None:
+        """Expert LoRA adapters ``{layer: {kernel: {"a", "b"}}}``, checksums verified; None when there are none."""
+        record = self.manifest.get(ADAPTERS)
+        if record is None:
+            return None
+        path = os.path.join(self.directory, ADAPTERS)
+        fix = "re-run the `python -m qmoe_jax.finetune` command that wrote it into a new --output_dir"
+        tree = _restore_tree(path, fix)
+        _verify(tree, record["checksums"], "expert adapters", fix)
+        by_layer: dict[str, dict] = {}
+        for key, value in traverse_util.flatten_dict(tree).items():
+            by_layer.setdefault(".".join(key[:-2]), {}).setdefault(key[-2], {})[key[-1]] = value
+        return by_layer
 
     def layer(self, name: str) -> tuple[dict, dict]:
         """(arrays, stats) of a finished sparse layer, checksums verified."""

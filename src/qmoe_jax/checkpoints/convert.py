@@ -6,7 +6,7 @@ import hashlib
 import os
 from collections.abc import Callable
 
-from qmoe_jax.checkpoints.compressed import CompressedCheckpoint, CompressedCheckpointError, layer_order
+from qmoe_jax.checkpoints.compressed import ADAPTERS, CompressedCheckpoint, CompressedCheckpointError, layer_order
 from qmoe_jax.checkpoints.layer_arrays import check_kernel_arrays, kernel_cols
 from qmoe_jax.checkpoints.mapped import MappedCheckpointWriter
 from qmoe_jax.checkpoints.output_dir import MANIFEST
@@ -27,6 +27,11 @@ def convert_to_mapped(source: str, output_dir: str, log: Callable[[str], None] =
     if grid["kind"] != "ternary":
         raise CompressedCheckpointError(f"{source} holds {grid['bits']}-bit experts; only ternary experts (the "
                                         "fused kernels' form) have a mapped layout")
+    if checkpoint.manifest.get(ADAPTERS) is not None:
+        raise CompressedCheckpointError(
+            f"{source} is fine-tuned with expert LoRA adapters (docs/format.md §8.9), which the mapped layout "
+            "does not carry", "run it as it is (`--experts compressed`), or fine-tune without --expert_lora_rank "
+            "to convert it")
     model = checkpoint.header["model"]
     with open(os.path.join(checkpoint.directory, MANIFEST), "rb") as f:
         source_record = {"directory": checkpoint.directory, "manifest_sha256": hashlib.sha256(f.read()).hexdigest()}

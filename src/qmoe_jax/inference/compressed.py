@@ -5,6 +5,10 @@ Two forms of the expert kernels:
   plain ``MlpExperts`` layer (quality evaluation, reference numerics);
 - "compressed": ternary ``CompressedExperts`` stacks W[E, out, in] at
   ``expert/<kernel>``, for the fused-kernel expert layer.
+
+A fine-tuned checkpoint may carry expert LoRA adapters (docs/format.md §8.9):
+the compressed form puts them at ``expert/lora/<kernel>``, the dense form folds
+them into the dequantized kernel.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from qmoe_jax.checkpoints.layer_arrays import check_kernel_arrays, compressed_st
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes
 from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.compressed_experts import compressed_experts_cls
+from qmoe_jax.models.lora import LORA, merged_kernel
 from qmoe_jax.quant import GridConfig, dequantize_codes
 
 
@@ -89,6 +94,7 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
         raise ValueError(f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}")
     params = checkpoint.dense_params()
     params = _cast(params, dtype)
+    adapters = checkpoint.adapters() or {}
     dictionaries = {}
     for name in checkpoint.layer_names():
         arrays, stats = checkpoint.layer(name)
@@ -102,10 +108,15 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
         for kernel, stored in arrays.items():
             check_kernel_arrays(stored, grid.kind == "ternary", f"{directory}/layers/{name}/{kernel}")
             cols = kernel_cols(kernel, config.d_model, config.d_ff)
+            adapter = adapters.get(name, {}).get(kernel)
             if experts == "dense":
-                expert[kernel] = {"kernel": jnp.asarray(dequantized_kernel(stored, grid, cols, dictionary), dtype)}
+                dense = dequantized_kernel(stored, grid, cols, dictionary)
+                dense = dense if adapter is None else merged_kernel(dense, adapter)
+                expert[kernel] = {"kernel": jnp.asarray(dense, dtype)}
             else:
                 expert[kernel] = jax.tree.map(jnp.asarray, compressed_stack(stored, cols))
+                if adapter is not None:
+                    expert.setdefault(LORA, {})[kernel] = _cast(adapter, dtype)
     if mesh is None or experts == "dense":
         return CompressedModel(config, params, dictionaries, grid, experts)
     if config.num_experts % mesh.shape["expert"]:

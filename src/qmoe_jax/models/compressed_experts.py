@@ -9,6 +9,11 @@ kernels compute only the slots in use and never decode an expert that
 received no token, so a decoding step costs the routed experts, not all E. The weights are frozen: gradients
 flow to the inputs only (``ops``' custom VJP), which is what fine-tuning the
 dense layers of a compressed model needs.
+
+Optional expert LoRA (``models/lora.py``): when the tree holds adapters at
+``expert/lora/<kernel>/{a, b}``, each product becomes ``W_e x + B_e A_e x``; the
+frozen part stays one fused call per kernel and layer, the adapters one batched
+einsum pair over the experts. Without adapters nothing changes.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from qmoe_jax import ops
 from qmoe_jax.codec import CompressedExperts, Dictionary
 from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.layers import dropout
+from qmoe_jax.models.lora import LORA, adapter_output
 from qmoe_jax.models.mlp import hidden_units
 
 
@@ -68,10 +74,16 @@ class CompressedMlpExperts(nn.Module):
         cfg = self.config
         dictionary = self._dictionary()
         matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
+        adapters = self.get_variable("params", LORA) or {}
+
+        def project(name: str, inputs: jax.Array) -> jax.Array:
+            y = matmul(self._kernel(name), inputs, dictionary, counts)
+            return y + adapter_output(adapters[name], inputs) if name in adapters else y
+
         x = expert_inputs.astype(cfg.jnp_dtype)
-        hidden = hidden_units(cfg, lambda name: matmul(self._kernel(name), x, dictionary, counts))
+        hidden = hidden_units(cfg, lambda name: project(name, x))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
-        return matmul(self._kernel("wo"), hidden, dictionary, counts)
+        return project("wo", hidden)
 
 
 def compressed_experts_cls(dictionaries: Mapping[str, Dictionary], mesh: jax.sharding.Mesh | None = None):
