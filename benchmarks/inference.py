@@ -76,23 +76,14 @@ def synthetic_config(experts: int):
                                num_experts=experts, checkpoint_path=None, checkpoint_step=None)
 
 
-def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> None:
-    """A compressed checkpoint of the switch-base shape with ``experts`` experts, from random ternary codes."""
+def random_dense(config, rng: np.random.Generator) -> dict:
+    """Random bfloat16 dense (non-expert) parameters of ``config``: layer-norm scales 1, other kernels
+    N(0, 1/fan_in)."""
     import ml_dtypes
 
     from qmoe_jax.checkpoints import path_shapes
-    from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
-    from qmoe_jax.checkpoints.layer_arrays import ternary_arrays
-    from qmoe_jax.codec import build_dictionary, encode_experts
     from qmoe_jax.models import param_shapes
-    from qmoe_jax.models.mlp import kernel_names
 
-    config = synthetic_config(experts)
-    rng = np.random.default_rng(seed)
-    dictionary = build_dictionary(0.885)
-    writer = CompressedCheckpointWriter(directory, {
-        "model": dataclasses.asdict(config), "source": "synthetic: random ternary codes at P(0) = 0.885",
-        "grid": {"kind": "ternary", "bits": None}, "settings": {"synthetic": True}})
     dense: dict = {}
     for path, shape in path_shapes(param_shapes(config)).items():
         if "/expert/" in path:
@@ -106,7 +97,25 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
         for key in path.split("/")[:-1]:
             node = node.setdefault(key, {})
         node[path.split("/")[-1]] = value
-    writer.write_dense(dense)
+    return dense
+
+
+def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> None:
+    """A compressed checkpoint of the switch-base shape with ``experts`` experts, from random ternary codes."""
+    import ml_dtypes
+
+    from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
+    from qmoe_jax.checkpoints.layer_arrays import ternary_arrays
+    from qmoe_jax.codec import build_dictionary, encode_experts
+    from qmoe_jax.models.mlp import kernel_names
+
+    config = synthetic_config(experts)
+    rng = np.random.default_rng(seed)
+    dictionary = build_dictionary(0.885)
+    writer = CompressedCheckpointWriter(directory, {
+        "model": dataclasses.asdict(config), "source": "synthetic: random ternary codes at P(0) = 0.885",
+        "grid": {"kind": "ternary", "bits": None}, "settings": {"synthetic": True}})
+    writer.write_dense(random_dense(config, rng))
     fingerprint = writer.write_dictionary(dictionary)
     sparse = [f"{stack}.layers_{i}.mlp" for stack, count in (("encoder", config.num_encoder_layers),
                                                               ("decoder", config.num_decoder_layers))

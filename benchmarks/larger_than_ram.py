@@ -47,7 +47,6 @@ import json
 import lzma
 import math
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -60,13 +59,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P0 = 0.885
 GIB = 2**30
 
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+from inference import cpu_model, random_dense  # noqa: E402  (the inference benchmark's synthetic parameters)
 
 
 def mem_total() -> int:
@@ -135,29 +129,6 @@ def general_compressor_gain(pool, mini: str | None) -> dict:
     return out
 
 
-def random_dense(config, seed: int = 1) -> dict:
-    import ml_dtypes
-
-    from qmoe_jax.checkpoints import path_shapes
-    from qmoe_jax.models import param_shapes
-
-    rng = np.random.default_rng(seed)
-    dense: dict = {}
-    for path, shape in path_shapes(param_shapes(config)).items():
-        if "/expert/" in path:
-            continue
-        if path.endswith("scale"):
-            value = np.ones(shape, ml_dtypes.bfloat16)
-        else:
-            fan_in = shape[-2] if len(shape) >= 2 else 1
-            value = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(ml_dtypes.bfloat16)
-        node = dense
-        for key in path.split("/")[:-1]:
-            node = node.setdefault(key, {})
-        node[path.split("/")[-1]] = value
-    return dense
-
-
 def layer_plan(config, pool):
     """(kernels, codewords) of one sparse layer: [(kernel, rows, cols, codes_per_expert)], kernel -> [E]."""
     kernels = [("wi", config.d_ff, config.d_model, max(len(e["wi"][0]) for e in pool)),
@@ -180,7 +151,7 @@ def write_checkpoint(directory: str, config, dictionary, pool) -> None:
             "model": dataclasses.asdict(config), "source": f"synthetic: a pool of {len(pool)} experts of random "
             f"ternary codes at P(0) = {P0}, reused", "grid": {"kind": "ternary", "bits": None},
             "settings": {"synthetic": True}})
-        writer.write_dense(random_dense(config))
+        writer.write_dense(random_dense(config, np.random.default_rng(1)))
         fingerprint = writer.write_dictionary(dictionary)
         with tqdm(total=len(sparse) * LayerIndex.plan("", config.num_experts, *layer_plan(config, pool)).bytes,
                   desc="write", unit="B", unit_scale=True, file=sys.stdout, mininterval=10) as bar:
@@ -290,7 +261,6 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the checkpoint (and reuse a kept one)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sys.path.insert(0, os.path.join(REPO, "src"))
     if args.child:
         print(json.dumps(measure(args.child, args.prompt_length, args.decode_length, args.expert_cache_gb)))
         return

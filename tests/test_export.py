@@ -16,6 +16,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from child_process import child_env
+from flax import traverse_util
 from test_inference import compressed_tiny  # noqa: F401  (the fixture)
 
 from qmoe_jax import bundled
@@ -33,14 +34,8 @@ from qmoe_jax.interop.t5x_export import export_t5x
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def flat(tree, prefix=""):
-    out = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(flat(value, f"{prefix}{key}/"))
-        else:
-            out[prefix + key] = np.asarray(value)
-    return out
+def flat(tree):
+    return {path: np.asarray(value) for path, value in traverse_util.flatten_dict(tree, sep="/").items()}
 
 
 @pytest.mark.parametrize("format", ["legacy", "orbax"])

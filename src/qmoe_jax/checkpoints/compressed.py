@@ -98,7 +98,8 @@ def _flat_checksums(tree: dict) -> dict[str, str]:
     return {path: array_checksum(np.asarray(value)) for path, value in sorted(flat.items())}
 
 
-def _write_json_atomic(path: str, payload: Any) -> None:
+def write_json_atomic(path: str, payload: Any) -> None:
+    """Writes ``payload`` as JSON to ``path`` so that a crash leaves the old file or the new one, never half."""
     temporary = path + ".tmp"
     with open(temporary, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True)
@@ -247,7 +248,7 @@ class CompressedCheckpointWriter:
         return check
 
     def _commit(self) -> None:
-        _write_json_atomic(os.path.join(self.directory, MANIFEST), self.manifest)
+        write_json_atomic(os.path.join(self.directory, MANIFEST), self.manifest)
 
     def finished_layers(self) -> list[str]:
         return list(self.manifest["layers"])
@@ -299,7 +300,7 @@ class CompressedCheckpointWriter:
         os.makedirs(staging)
         _save_tree(os.path.join(staging, "arrays"), arrays)
         record = {"stats": stats, "checksums": _flat_checksums(arrays), "files": _file_sizes(staging)}
-        _write_json_atomic(os.path.join(staging, "layer.json"), record)
+        write_json_atomic(os.path.join(staging, "layer.json"), record)
         os.replace(staging, final)
         self.manifest["layers"][name] = record
         self._commit()

@@ -34,7 +34,7 @@ import ml_dtypes
 import numpy as np
 
 from qmoe_jax.checkpoints.compressed import (CompressedCheckpoint, CompressedCheckpointError, _file_sizes,
-                                             _flat_checksums, _require_finite, _save_tree, _write_json_atomic)
+                                             _flat_checksums, _require_finite, _save_tree, write_json_atomic)
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.codec.dictionary import Dictionary
@@ -172,7 +172,7 @@ class MappedCheckpointWriter:
         self._commit()
 
     def _commit(self) -> None:
-        _write_json_atomic(os.path.join(self.directory, MANIFEST), self.manifest)
+        write_json_atomic(os.path.join(self.directory, MANIFEST), self.manifest)
 
     def write_dense(self, params: dict) -> None:
         _require_finite(params, "dense parameters")
@@ -240,7 +240,7 @@ class MappedCheckpointWriter:
         os.close(fd)
         index = dataclasses.replace(plan, expert_sha256=tuple(checksums))
         index_path = os.path.join(self.directory, "layers", INDEX_FILE.format(name))
-        _write_json_atomic(index_path, index.to_json())
+        write_json_atomic(index_path, index.to_json())
         with open(index_path, "rb") as f:
             index_sha256 = hashlib.sha256(f.read()).hexdigest()
         self.manifest["layers"][name] = {"stats": stats, "index": INDEX_FILE.format(name), "index_sha256": index_sha256,

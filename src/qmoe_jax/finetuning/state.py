@@ -22,6 +22,7 @@ import shutil
 
 import orbax.checkpoint as ocp
 
+from qmoe_jax.checkpoints.compressed import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
 
 FORMAT = "qmoe_jax.finetune"
@@ -35,15 +36,6 @@ KEEP_CHECKPOINTS = 2
 
 class ResumeMismatchError(ValueError):
     """The output directory holds a run with other settings or another source."""
-
-
-def _write_json_atomic(path: str, payload) -> None:
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
 
 
 def _differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
@@ -79,7 +71,7 @@ class RunDirectory:
         else:
             self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **record, "complete": False,
                              "model": None}
-            _write_json_atomic(os.path.join(directory, MANIFEST), self.manifest)
+            write_json_atomic(os.path.join(directory, MANIFEST), self.manifest)
         partial = self.path(MODEL + ".partial")
         if os.path.exists(partial):
             shutil.rmtree(partial)
@@ -130,7 +122,7 @@ class RunDirectory:
     def finish(self, model_path: str, summary: dict) -> None:
         """Marks the run complete once its model is in place (``model_path`` relative to the directory)."""
         self.manifest.update(complete=True, model=model_path, summary=summary)
-        _write_json_atomic(self.path(MANIFEST), self.manifest)
+        write_json_atomic(self.path(MANIFEST), self.manifest)
 
     def close(self) -> None:
         self.checkpoints.close()
