@@ -108,6 +108,27 @@ def write_json_atomic(path: str, payload: Any) -> None:
     os.replace(temporary, path)
 
 
+def save_dense(directory: str, params: dict) -> dict:
+    """Saves the non-expert parameters as ``<directory>/dense`` (replacing a stale copy); returns their
+    manifest record (§8.3)."""
+    _require_finite(params, "dense parameters")
+    path = os.path.join(directory, "dense")
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    _save_tree(path, params)
+    return {"checksums": _flat_checksums(params), "files": _file_sizes(path)}
+
+
+def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
+    """Saves ``dictionary`` as ``<directory>/dictionaries/<fingerprint[:16]>`` (replacing a stale copy); returns
+    its manifest record (§8.4)."""
+    path = os.path.join(directory, "dictionaries", dictionary.fingerprint[:16])
+    if os.path.exists(path):
+        shutil.rmtree(path)
+    _save_tree(path, {"entries": np.asarray(dictionary.entries)})
+    return {"p0": dictionary.p0, "directory": dictionary.fingerprint[:16], "files": _file_sizes(path)}
+
+
 def _checkpointer() -> ocp.Checkpointer:
     """``PyTreeCheckpointer()``'s handler and defaults (the same files), except that numpy leaves are written
     without Orbax's defensive deep copy: the save is synchronous, so nothing changes them meanwhile, and a
@@ -263,24 +284,14 @@ class CompressedCheckpointWriter:
 
     def write_dense(self, params: dict) -> None:
         """Saves the non-expert parameters (nested dict of arrays)."""
-        _require_finite(params, "dense parameters")
-        path = os.path.join(self.directory, "dense")
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        _save_tree(path, params)
-        self.manifest["dense"] = {"checksums": _flat_checksums(params), "files": _file_sizes(path)}
+        self.manifest["dense"] = save_dense(self.directory, params)
         self._commit()
 
     def write_dictionary(self, dictionary: Dictionary) -> str:
         """Saves a dictionary once; returns its fingerprint."""
         fingerprint = dictionary.fingerprint
         if fingerprint not in self.manifest["dictionaries"]:
-            path = os.path.join(self.directory, "dictionaries", fingerprint[:16])
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            _save_tree(path, {"entries": np.asarray(dictionary.entries)})
-            self.manifest["dictionaries"][fingerprint] = {"p0": dictionary.p0, "directory": fingerprint[:16],
-                                                          "files": _file_sizes(path)}
+            self.manifest["dictionaries"][fingerprint] = save_dictionary(self.directory, dictionary)
             self._commit()
         return fingerprint
 

@@ -33,8 +33,8 @@ from collections.abc import Callable, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
-from qmoe_jax.checkpoints.compressed import (CompressedCheckpoint, CompressedCheckpointError, _file_sizes,
-                                             _flat_checksums, _require_finite, _save_tree, write_json_atomic)
+from qmoe_jax.checkpoints.compressed import (CompressedCheckpoint, CompressedCheckpointError, save_dense,
+                                             save_dictionary, write_json_atomic)
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.codec.dictionary import Dictionary
@@ -175,10 +175,7 @@ class MappedCheckpointWriter:
         write_json_atomic(os.path.join(self.directory, MANIFEST), self.manifest)
 
     def write_dense(self, params: dict) -> None:
-        _require_finite(params, "dense parameters")
-        path = os.path.join(self.directory, "dense")
-        _save_tree(path, params)
-        self.manifest["dense"] = {"checksums": _flat_checksums(params), "files": _file_sizes(path)}
+        self.manifest["dense"] = save_dense(self.directory, params)
         self._commit()
 
     def copy_dense(self, source: str, record: dict) -> None:
@@ -190,10 +187,7 @@ class MappedCheckpointWriter:
     def write_dictionary(self, dictionary: Dictionary) -> str:
         fingerprint = dictionary.fingerprint
         if fingerprint not in self.manifest["dictionaries"]:
-            path = os.path.join(self.directory, "dictionaries", fingerprint[:16])
-            _save_tree(path, {"entries": np.asarray(dictionary.entries)})
-            self.manifest["dictionaries"][fingerprint] = {"p0": dictionary.p0, "directory": fingerprint[:16],
-                                                          "files": _file_sizes(path)}
+            self.manifest["dictionaries"][fingerprint] = save_dictionary(self.directory, dictionary)
             self._commit()
         return fingerprint
 
