@@ -77,13 +77,18 @@ def bundled_validation_examples(tokenizer: Tokenizer, num_samples: int | None = 
     return validation_examples(corpus.documents("validation"), tokenizer, bundled.span_corruption_config(), num_samples)
 
 
+def token_log_likelihoods(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """float32[B, T]: log p(target) of each position (nats), from logits f32|bf16[B, T, V] and targets int32[B, T]."""
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+
+
 def token_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Sum of per-token cross-entropy (nats) over weighted positions, and the weight sum.
 
     logits f32|bf16[B, T, V]; targets int32[B, T]; weights f32[B, T].
     """
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    token_loss = -jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+    token_loss = -token_log_likelihoods(logits, targets)
     return (token_loss * weights).sum(), weights.sum()
 
 

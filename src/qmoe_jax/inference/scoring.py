@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from qmoe_jax.inference.evaluation import Example, model_inputs, padded_batches
+from qmoe_jax.inference.evaluation import Example, model_inputs, padded_batches, token_log_likelihoods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +38,7 @@ def make_score_step(model):
     @jax.jit
     def step(params, batch):
         logits = model.apply({"params": params}, *model_inputs(batch), enable_dropout=False)
-        log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        token = jnp.take_along_axis(log_probs, batch["decoder_target_tokens"][..., None], axis=-1)[..., 0]
+        token = token_log_likelihoods(logits, batch["decoder_target_tokens"])
         return (token * batch["decoder_loss_weights"]).sum(axis=-1)
 
     return step
