@@ -149,6 +149,49 @@ def test_each_instruction_set(dictionary, monkeypatch, isa, cols):
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
 
 
+def test_words_form_lists_each_entrys_nonzero_weights():
+    """The compact form against the masks: positions, class, length and the table flags."""
+    from qmoe_jax.codec import build_dictionary
+
+    for p0, overflows, has_fourth in ((0.885, False, False), (0.8, False, True), (0.6, True, True)):
+        masks = np.asarray(build_dictionary(p0).masks, np.uint32)
+        words = _kernels.words_from_masks(masks).astype(np.int64)
+        assert bool(words[0] & _kernels.WORDS_TABLE_OVERFLOWS) == overflows
+        assert bool(words[0] & _kernels.WORDS_TABLE_HAS_FOURTH) == has_fourth
+        kind = (words >> _kernels.WORD_CLASS_SHIFT) & 31
+        np.testing.assert_array_equal((words >> _kernels.WORD_LENGTH_SHIFT) & 31, 2 * (masks[:, 0] >> 28))
+        plus_bits = masks[:, 0].astype(np.int64) & ((1 << 28) - 1)
+        minus_bits = masks[:, 1].astype(np.int64)
+        nonzeros = np.array([bin(p).count("1") + bin(m).count("1") for p, m in zip(plus_bits, minus_bits)])
+        np.testing.assert_array_equal(kind == _kernels.WORD_OVERFLOW_CLASS, nonzeros > 4)
+        for entry in np.flatnonzero(nonzeros <= 4)[::97]:
+            plus_count, minus_count = divmod(int(kind[entry]), 5)
+            fields = [(int(words[entry]) >> (5 * i)) & 31 for i in range(4)]
+            assert sum(1 << f for f in fields[:plus_count]) == plus_bits[entry]
+            assert sum(1 << f for f in fields[plus_count:plus_count + minus_count]) == minus_bits[entry]
+            assert fields[:plus_count] == sorted(fields[:plus_count])
+
+
+@pytest.mark.parametrize("isa", ops.cpu_isas())
+@pytest.mark.parametrize("p0", [0.8, 0.6])
+def test_each_instruction_set_with_wider_dictionary_entries(monkeypatch, isa, p0):
+    """Dictionaries for smaller p0: entries with 4 nonzero weights (0.8) and entries that overflow
+    the compact form and the slots (0.6), which kernels read from the masks."""
+    from qmoe_jax.codec import build_dictionary
+
+    monkeypatch.setenv("QMOE_CPU_ISA", isa)
+    dictionary = build_dictionary(p0)
+    rng = np.random.default_rng(7)
+    w, dense = compressed_data.matrix(rng, dictionary, 23, 301, p0=p0)
+    for tokens in (1, 3, 20):
+        x = _tokens((tokens, 301), jnp.float32)
+        _assert_close(ops.matmul(w, x, dictionary), np.asarray(x) @ dense.T, jnp.float32)
+    g = _tokens((20, 23), jnp.float32)
+    _, pullback = jax.vjp(lambda x: ops.matmul(w, x, dictionary), _tokens((20, 301), jnp.float32))
+    _assert_close(pullback(g)[0], np.asarray(g) @ dense, jnp.float32)
+    np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
+
+
 def test_empty_shapes(dictionary):
     w, _ = _matrix(13, 21)
     assert ops.matmul(w, jnp.zeros((0, 21)), dictionary).shape == (0, 13)
@@ -345,7 +388,7 @@ def test_bad_counts_raise_clear_errors(dictionary):
     narrow = np.array([255, 0, 3], np.uint8)  # clamped before the cast to int32
     _assert_close(ops.matmul(stack, x, dictionary, narrow), _masked_product(x, dense, narrow),
                   jnp.float32)
-    masks, slots = _kernels.dictionary_operands(dictionary)
+    masks, slots, words = _kernels.dictionary_operands(dictionary)
     call = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((3, 4, 13), jnp.float32))
     with pytest.raises(Exception, match=r"counts must have shape \[B...\] .* B... = \[3\]"):
-        call(masks, slots, stack.codes, stack.row_offsets, stack.minmax, x, np.ones(2, np.int32))
+        call(masks, slots, words, stack.codes, stack.row_offsets, stack.minmax, x, np.ones(2, np.int32))

@@ -373,7 +373,7 @@ def test_bad_environment_and_shapes_raise(dictionary, monkeypatch):
     with pytest.raises(Exception, match="QMOE_CUDA_VALIDATE must be 0 or 1"):
         np.asarray(ops.matvec(w, jnp.zeros(21), dictionary))
     monkeypatch.delenv("QMOE_CUDA_VALIDATE")
-    masks, slots = _kernels.dictionary_operands(dictionary)
+    masks, slots, words = _kernels.dictionary_operands(dictionary)
     x, counts = jnp.zeros((2, 21)), np.int32(2)
     call = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((2, 13), jnp.float32))
     with pytest.raises(Exception, match=r"masks must have shape \[65536, 2\]"):
@@ -382,9 +382,9 @@ def test_bad_environment_and_shapes_raise(dictionary, monkeypatch):
     with pytest.raises(
         Exception, match=r"y must have 13 columns \(rows of minmax\); got \[2, 12\]"
     ):
-        np.asarray(narrow_y(masks, slots, w.codes, w.row_offsets, w.minmax, x, counts))
+        np.asarray(narrow_y(masks, slots, words, w.codes, w.row_offsets, w.minmax, x, counts))
     with pytest.raises(Exception, match=r"counts must have shape \[B...\]"):
-        np.asarray(call(masks, slots, w.codes, w.row_offsets, w.minmax, x, np.ones(2, np.int32)))
+        np.asarray(call(masks, slots, words, w.codes, w.row_offsets, w.minmax, x, np.ones(2, np.int32)))
 
 
 FUZZ = textwrap.dedent(
@@ -396,7 +396,7 @@ FUZZ = textwrap.dedent(
     from qmoe_jax.codec import build_dictionary
 
     dictionary = build_dictionary(0.885)
-    masks, slots = (np.asarray(a) for a in _kernels.dictionary_operands(dictionary))
+    masks, slots, words = (np.asarray(a) for a in _kernels.dictionary_operands(dictionary))
     rng = np.random.default_rng(0)
     rows, cols, n_codes = 7, 33, 40
     outcomes = collections.Counter()
@@ -442,7 +442,7 @@ FUZZ = textwrap.dedent(
             codes = good_codes.copy()
             offsets = np.asarray(good.row_offsets).copy()
             minmax = np.asarray(good.minmax)
-            forms = (masks, slots)
+            forms = (masks, slots, words)
             if kind == 0:
                 codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
             elif kind == 1:
@@ -455,7 +455,7 @@ FUZZ = textwrap.dedent(
                 flips = rng.integers(0, len(good.codes), 3)
                 codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
             elif kind == 4:
-                forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32), slots)
+                forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32), slots, words)
             run_all(forms, codes, offsets, minmax)
             stacked = (a[None].repeat(2, 0) for a in (codes, offsets, minmax))
             run_all(forms, *stacked)
@@ -463,7 +463,7 @@ FUZZ = textwrap.dedent(
     # garbage counts clamped.
     os.environ["QMOE_CUDA_VALIDATE"] = "0"
     x = rng.standard_normal((4, cols)).astype(np.float32)
-    y = call("qmoe_matmul", jax.ShapeDtypeStruct((4, rows), jnp.float32), (masks, slots),
+    y = call("qmoe_matmul", jax.ShapeDtypeStruct((4, rows), jnp.float32), (masks, slots, words),
              good_codes, np.asarray(good.row_offsets), np.asarray(good.minmax), x, np.int32(4))
     np.testing.assert_allclose(y, x @ dense.T, rtol=1e-5, atol=1e-5)
     stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
@@ -472,7 +472,7 @@ FUZZ = textwrap.dedent(
         if counts.shape != (3,):
             continue
         x = rng.standard_normal((3, 5, cols)).astype(np.float32)
-        y = call("qmoe_matmul", jax.ShapeDtypeStruct((3, 5, rows), jnp.float32), (masks, slots),
+        y = call("qmoe_matmul", jax.ShapeDtypeStruct((3, 5, rows), jnp.float32), (masks, slots, words),
                  *stack, x, counts)
         in_use = np.arange(5) < np.clip(counts.astype(np.int64), 0, 5)[:, None]
         np.testing.assert_allclose(y, np.where(in_use[..., None], x @ dense.T, 0), rtol=1e-5,

@@ -53,7 +53,7 @@ FUZZ = textwrap.dedent(
     from qmoe_jax.codec import build_dictionary
 
     dictionary = build_dictionary(0.885)
-    masks, slots = (np.asarray(a) for a in _kernels.dictionary_operands(dictionary))
+    masks, slots, words = (np.asarray(a) for a in _kernels.dictionary_operands(dictionary))
     rng = np.random.default_rng(0)
     rows, cols, n_codes = 7, 33, 40
     outcomes = collections.Counter()
@@ -101,7 +101,7 @@ FUZZ = textwrap.dedent(
             codes = good_codes.copy()
             offsets = np.asarray(good.row_offsets).copy()
             minmax = rng.integers(0, 2**16, (rows, 2), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            forms = (masks, slots)
+            forms = (masks, slots, words)
             if kind == 0:
                 codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
             elif kind == 1:
@@ -115,9 +115,11 @@ FUZZ = textwrap.dedent(
                 codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
             elif kind == 4:
                 forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32),
-                         rng.integers(0, 256, slots.shape, dtype=np.uint8))
+                         rng.integers(0, 256, slots.shape, dtype=np.uint8),
+                         rng.integers(0, 2**32, words.shape, dtype=np.uint32))
             elif kind == 5:
-                forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8))
+                forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8),
+                         rng.integers(0, 2**32, words.shape, dtype=np.uint32))
             run_all(forms, codes, offsets, minmax)
             run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
         # Good operands, garbage counts: the tokens in use are exact, the others zero.
@@ -127,7 +129,7 @@ FUZZ = textwrap.dedent(
             x = rng.standard_normal((3, 5, cols)).astype(np.float32)
             result = jax.ShapeDtypeStruct((3, 5, rows), jnp.float32)
             try:
-                y = call("qmoe_matmul", (x, counts), result, (masks, slots), *stack)
+                y = call("qmoe_matmul", (x, counts), result, (masks, slots, words), *stack)
             except Exception as error:
                 outcomes["error"] += 1
                 messages.add(str(error).splitlines()[0][:80])

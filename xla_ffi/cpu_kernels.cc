@@ -29,9 +29,9 @@ ffi::Error FailureError(const char* op, const CompressedOperands& w,
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
-                      ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
-                      ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                      ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                      ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
+                      ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                      ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
                       ffi::Result<ffi::AnyBuffer> y) {
   const Dims y_dims = y->dimensions();
   const Dims x_dims = x.dimensions();
@@ -43,7 +43,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
   const Dims batch(y_dims.begin(), y_dims.size() - 2);
   const int64_t tokens = y_dims[y_dims.size() - 2];
   CompressedOperands w;
-  if (auto error = CheckCompressed(kMatmul, masks, slots, codes, row_offsets, minmax, batch,
+  if (auto error = CheckCompressed(kMatmul, masks, slots, words, codes, row_offsets, minmax, batch,
                                    x_dims.back(), &w);
       error.failure()) {
     return error;
@@ -100,10 +100,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
 }
 
 ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
-                                ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
-                                ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                                ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
-                                ffi::Result<ffi::AnyBuffer> dx) {
+                                ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
+                                ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                                ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer g,
+                                ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> dx) {
   const char* op = kMatmulTransposed;
   const Dims dx_dims = dx->dimensions();
   const Dims g_dims = g.dimensions();
@@ -115,7 +115,7 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
   const Dims batch(dx_dims.begin(), dx_dims.size() - 2);
   const int64_t tokens = dx_dims[dx_dims.size() - 2];
   CompressedOperands w;
-  if (auto error = CheckCompressed(op, masks, slots, codes, row_offsets, minmax, batch,
+  if (auto error = CheckCompressed(op, masks, slots, words, codes, row_offsets, minmax, batch,
                                    dx_dims.back(), &w);
       error.failure()) {
     return error;
@@ -194,13 +194,14 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> mask
 }
 
 ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
-                          ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
-                          ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                          int64_t cols, ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
+                          ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
+                          ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                          ffi::Buffer<ffi::BF16> minmax, int64_t cols,
+                          ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
   const Dims dims = weights->dimensions();
   if (auto error = CheckDequantizeResult(kDequantize, dims, cols); error.failure()) return error;
   CompressedOperands w;
-  if (auto error = CheckCompressed(kDequantize, masks, slots, codes, row_offsets, minmax,
+  if (auto error = CheckCompressed(kDequantize, masks, slots, words, codes, row_offsets, minmax,
                                    Dims(dims.begin(), dims.size() - 2), cols, &w);
       error.failure()) {
     return error;
@@ -257,6 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulCpu, qmoe::cpu::MatmulImpl,
                                   .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
@@ -269,6 +271,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulTransposedCpu, qmoe::cpu::MatmulTranspos
                                   .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
@@ -281,6 +284,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeDequantizeCpu, qmoe::cpu::DequantizeImpl,
                                   .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
                                   .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
                                   .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
                                   .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]

@@ -3,22 +3,24 @@
 // Targets (platform "cpu" here; CUDA handlers implement the same contract):
 //
 //   "qmoe_matmul"      y[..., n, r]  = sum_j W[r, j] * x[..., n, j]   for n < counts[...], else 0
-//       operands  masks, slots, codes, row_offsets, minmax, x f32|bf16[B..., N, cols],
+//       operands  masks, slots, words, codes, row_offsets, minmax, x f32|bf16[B..., N, cols],
 //                 counts i32[B...]
 //       result    y [B..., N, rows], dtype of x
 //   "qmoe_matmul_t"    dx[..., n, j] = sum_r W[r, j] * g[..., n, r]   for n < counts[...], else 0
-//       operands  masks, slots, codes, row_offsets, minmax, g f32|bf16[B..., N, rows],
+//       operands  masks, slots, words, codes, row_offsets, minmax, g f32|bf16[B..., N, rows],
 //                 counts i32[B...]                                    (input gradient)
 //       result    dx [B..., N, cols], dtype of g; cols comes from dx's shape
 //   "qmoe_dequantize"  w[..., r, j] = W[r, j]
-//       operands  masks, slots, codes, row_offsets, minmax
+//       operands  masks, slots, words, codes, row_offsets, minmax
 //       attribute cols (int64)
 //       result    w bf16[B..., rows, cols]
 //
 // Operands shared by all targets, in this order (format v1, qmoe_format.h):
 //   masks        u32[65536, 2]       Dictionary.masks (plus mask | pair count << 28, minus mask)
 //   slots        u8[65536, 16]       the sparse form of the same dictionary (qmoe_format.h);
-//                                    the CPU kernels read it, a CUDA kernel may ignore it
+//                                    the AVX-512 kernels read it, a CUDA kernel may ignore it
+//   words        u32[65536]          the compact form of the same dictionary (qmoe_format.h);
+//                                    the AVX2 and portable kernels read it, CUDA ignores it
 //   codes        u16[B..., n_codes]  each matrix's code stream; codes past
 //                                    row_offsets[-1] are padding and ignored
 //   row_offsets  i32[B..., rows + 1] row r owns codes[row_offsets[r] : row_offsets[r + 1]]
@@ -27,7 +29,7 @@
 // B... are the leading batch dims (an expert stack, vmapped axes; possibly
 // none): the result's leading dims. Each operand has as many leading dims,
 // each equal to the result's or 1 (broadcast, as jax's vmap_method
-// "expand_dims" produces); masks and slots may carry leading 1s too. A
+// "expand_dims" produces); the dictionary forms may carry leading 1s too. A
 // matrix shared by several batch entries is decoded once for all their
 // tokens. Sums accumulate in f32; bf16 results are rounded to nearest even.
 //

@@ -76,13 +76,14 @@ std::string OfBatch(const std::vector<int64_t>& batch, int64_t index) {
 
 ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
                                const char* source) {
-  bool ok = dims.size() >= 2 && dims[dims.size() - 2] == kDictionaryEntries &&
-            dims[dims.size() - 1] == width;
-  for (size_t i = 0; ok && i + 2 < dims.size(); ++i) ok = dims[i] == 1;
+  const size_t trailing = width > 0 ? 2 : 1;
+  bool ok = dims.size() >= trailing && dims[dims.size() - trailing] == kDictionaryEntries &&
+            (width == 0 || dims[dims.size() - 1] == width);
+  for (size_t i = 0; ok && i + trailing < dims.size(); ++i) ok = dims[i] == 1;
   if (ok) return ffi::Error::Success();
-  return ffi::Error::InvalidArgument(Prefix(op) + name + " must have shape [65536, " +
-                                     std::to_string(width) + "] (" + source + "); got " +
-                                     ShapeString(dims));
+  const std::string shape = width > 0 ? "[65536, " + std::to_string(width) + "]" : "[65536]";
+  return ffi::Error::InvalidArgument(Prefix(op) + name + " must have shape " + shape + " (" +
+                                     source + "); got " + ShapeString(dims));
 }
 
 ffi::Error CheckDenseArgs(const char* op, const DenseArg& in, const DenseArg& out) {
@@ -122,7 +123,8 @@ ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
 }
 
 ffi::Error CheckCompressedShapes(const char* op, ffi::Buffer<ffi::U32> masks,
-                                 ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
+                                 ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
+                                 ffi::Buffer<ffi::U16> codes,
                                  ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
                                  const std::vector<int64_t>& batch, int64_t cols, int64_t* rows) {
   if (auto error = CheckDictionaryForm(op, "masks", masks.dimensions(), 2, "Dictionary.masks");
@@ -131,6 +133,11 @@ ffi::Error CheckCompressedShapes(const char* op, ffi::Buffer<ffi::U32> masks,
   }
   if (auto error = CheckDictionaryForm(op, "slots", slots.dimensions(), kSlotBytes,
                                        "the sparse dictionary form of qmoe_jax.ops");
+      error.failure()) {
+    return error;
+  }
+  if (auto error = CheckDictionaryForm(op, "words", words.dimensions(), 0,
+                                       "the compact dictionary form of qmoe_jax.ops");
       error.failure()) {
     return error;
   }
@@ -164,13 +171,14 @@ ffi::Error CheckCompressedShapes(const char* op, ffi::Buffer<ffi::U32> masks,
 }
 
 ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
+                           ffi::Buffer<ffi::U32> words,
                            ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
                            ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t cols,
                            CompressedOperands* operands) {
   operands->batch.assign(batch.begin(), batch.end());
   const std::vector<int64_t>& leading = operands->batch;
   int64_t rows = 0;
-  if (auto error = CheckCompressedShapes(op, masks, slots, codes, row_offsets, minmax, leading,
+  if (auto error = CheckCompressedShapes(op, masks, slots, words, codes, row_offsets, minmax, leading,
                                          cols, &rows);
       error.failure()) {
     return error;
@@ -183,8 +191,13 @@ ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buf
   operands->offsets_matrices = row_offsets.element_count() / (rows + 1);
   operands->n_codes = n_codes;
   const uint8_t* slot_table = slots.typed_data();
-  operands->dictionary = {masks.typed_data(), slot_table,
-                          (slot_table[kSlotMetaByte] & kSlotsTableOverflows) != 0};
+  const uint32_t* word_table = words.typed_data();
+  operands->dictionary = {masks.typed_data(),
+                          slot_table,
+                          (slot_table[kSlotMetaByte] & kSlotsTableOverflows) != 0,
+                          word_table,
+                          (word_table[0] & kWordsTableOverflows) != 0,
+                          (word_table[0] & kWordsTableHasFourth) != 0};
   operands->rows = rows;
   operands->cols = cols;
   operands->padded_cols = PaddedCols(cols);

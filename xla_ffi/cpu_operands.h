@@ -46,12 +46,13 @@ struct TokenGroup {
   std::vector<int64_t> out_rows;
 };
 
-// Checks the shapes of masks, slots, codes, row_offsets and minmax against a
+// Checks the shapes of masks, slots, words, codes, row_offsets and minmax against a
 // result with leading dims `batch` and `cols` columns and locates each batch
 // entry's matrix; reads no row_offsets (CheckRowOffsets does, for the
 // matrices a call reads). `op` prefixes messages.
 xla::ffi::Error CheckCompressed(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
                                 xla::ffi::Buffer<xla::ffi::U8> slots,
+                                xla::ffi::Buffer<xla::ffi::U32> words,
                                 xla::ffi::Buffer<xla::ffi::U16> codes,
                                 xla::ffi::Buffer<xla::ffi::S32> row_offsets,
                                 xla::ffi::Buffer<xla::ffi::BF16> minmax, Dims batch, int64_t cols,
@@ -95,7 +96,7 @@ std::string ShapeString(Dims dims);
 // " of batch index 3 (of leading dims [4, 2])" where the call has leading dims, else "".
 std::string OfBatch(const std::vector<int64_t>& batch, int64_t index);
 
-// Dictionary forms carry no batch: [1..., 65536, width].
+// Dictionary forms carry no batch: [1..., 65536, width], or [1..., 65536] for width 0.
 xla::ffi::Error CheckDictionaryForm(const char* op, const char* name, Dims dims, int64_t width,
                                     const char* source);
 
@@ -115,11 +116,12 @@ xla::ffi::Error CheckDenseArgs(const char* op, const DenseArg& in, const DenseAr
 // dequantize's result is [B..., rows, cols] with the `cols` attribute.
 xla::ffi::Error CheckDequantizeResult(const char* op, Dims dims, int64_t cols);
 
-// Checks the shapes of masks, slots, minmax [B'..., rows, 2], codes
+// Checks the shapes of masks, slots, words, minmax [B'..., rows, 2], codes
 // [B'..., n_codes] and row_offsets [B'..., rows + 1] (each B' broadcasting to
 // `batch`) and that cols >= 0; sets `rows`. Nothing is read from the buffers.
 xla::ffi::Error CheckCompressedShapes(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
                                       xla::ffi::Buffer<xla::ffi::U8> slots,
+                                      xla::ffi::Buffer<xla::ffi::U32> words,
                                       xla::ffi::Buffer<xla::ffi::U16> codes,
                                       xla::ffi::Buffer<xla::ffi::S32> row_offsets,
                                       xla::ffi::Buffer<xla::ffi::BF16> minmax,

@@ -27,11 +27,14 @@ inline constexpr int64_t kTokenLanes = 16;
 // Slack entries behind `padded_cols` in each nonzero-position list.
 inline constexpr int64_t kIndexSlack = 32;
 
-// The two kernel forms of a dictionary (see qmoe_format.h).
+// The three kernel forms of a dictionary (see qmoe_format.h).
 struct DictionaryView {
   const uint32_t* masks;  // [65536][2]
   const uint8_t* slots;   // [65536][16]
   bool slots_overflow;    // some entry overflows its slots (kSlotsTableOverflows)
+  const uint32_t* words;  // [65536]
+  bool words_overflow;    // some entry overflows its word (kWordsTableOverflows)
+  bool words_fourth;      // some entry has 4 nonzero weights (kWordsTableHasFourth)
 };
 
 // Rows [begin, end) of one compressed matrix.
@@ -70,8 +73,9 @@ const RowKernels& Avx512RowKernels();  // call only where CpuHasAvx512()
 bool CpuHasAvx2();
 bool CpuHasAvx512();
 
-// Shared by every instruction set, so that all of them agree on where a row
-// ends: a codeword's length in weights comes from its slots (0..31).
+// A codeword's length in weights (0..31) from its slots (AVX-512); the
+// words (AVX2, portable) give the same length for the forms qmoe_jax.ops
+// computes, so all instruction sets agree on where a row ends.
 inline uint32_t EntryLength(const DictionaryView& dictionary, uint16_t code) {
   return dictionary.slots[kSlotBytes * static_cast<uint32_t>(code) + kSlotMetaByte] &
          kSlotLengthMask;
@@ -86,6 +90,25 @@ inline void EntryBits(const DictionaryView& dictionary, uint16_t code, uint32_t 
   *plus = entry[0] & within;
   *minus = entry[1] & within;
 }
+
+// Per word class (qmoe_format.h): lanes 0..3 weigh fields 0..3 as plus
+// weights (1 or 0), lanes 4..7 as minus weights; the overflow class and
+// classes past 5*4 + 4 weigh nothing. Counts are the plus and minus fields.
+struct WordClasses {
+  alignas(32) float weights[kWordClasses][8];
+  int32_t plus_count[kWordClasses];
+  int32_t minus_count[kWordClasses];
+};
+const WordClasses& WordClassTable();
+
+inline uint32_t WordField(uint32_t word, int field) {
+  return (word >> (kWordFieldBits * field)) & kWordFieldMask;
+}
+
+// row_nonzeros from the words, for every instruction set that reads them.
+bool WordsRowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
+                      int64_t padded_cols, int32_t* plus_index, int64_t* plus_count,
+                      int32_t* minus_index, int64_t* minus_count);
 
 // rows_dot for instruction sets that decode one row at a time.
 template <bool (*RowDot)(const DictionaryView&, const uint16_t*, int64_t, const float*, int64_t,

@@ -1,69 +1,92 @@
-// AVX2 row kernels: each byte of a codeword's masks selects x lanes through a
-// 256-entry table of 8-lane bit masks; token rows move in two 8-float halves.
+// AVX2 row kernels. A codeword's nonzero weights come from its word (see
+// qmoe_format.h): three or four scalar loads from the window of x at the
+// codeword gather them into one vector, duplicated into both halves, and one
+// fused multiply-add with its class's 0/1 weights adds plus weights to lanes
+// 0..3 and minus weights to lanes 4..7. The words of codewords a few steps
+// ahead are prefetched: the 256 KB table outgrows L2, and its accesses are
+// random. Entries that overflow their word go through the masks, checked for
+// only when the dictionary has such entries.
 #include <immintrin.h>
 
-#include <array>
+#include <algorithm>
 
 #include "cpu_row_kernels.h"
 
 #define QMOE_AVX2 __attribute__((target("avx2,fma,bmi,bmi2,popcnt")))
+#define QMOE_AVX2_INLINE QMOE_AVX2 __attribute__((always_inline)) inline
 
 namespace qmoe::cpu {
 namespace {
 
-// kByteLanes[b][i] is all ones where bit i of b is set.
-using ByteLanes = std::array<std::array<uint32_t, 8>, 256>;
-const ByteLanes& ByteLaneMasks() {
-  alignas(32) static const ByteLanes table = [] {
-    ByteLanes lanes{};
-    for (int byte = 0; byte < 256; ++byte) {
-      for (int bit = 0; bit < 8; ++bit) lanes[byte][bit] = (byte >> bit) & 1 ? ~0u : 0u;
+// Codewords ahead whose words are prefetched.
+constexpr int64_t kPrefetchDistance = 16;
+
+QMOE_AVX2 float HorizontalSum(__m128 v) {
+  const __m128 half = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(half, _mm_movehdup_ps(half)));
+}
+
+// The window's values at the word's first 3 (or 4) fields, lanes 0..3.
+template <bool kFourth>
+QMOE_AVX2_INLINE __m128 FieldValues(uint32_t word, const float* window) {
+  __m128 values = _mm_load_ss(window + WordField(word, 0));
+  values = _mm_insert_ps(values, _mm_load_ss(window + WordField(word, 1)), 0x10);
+  values = _mm_insert_ps(values, _mm_load_ss(window + WordField(word, 2)), 0x20);
+  if (kFourth) values = _mm_insert_ps(values, _mm_load_ss(window + WordField(word, 3)), 0x30);
+  return values;
+}
+
+// Rows of `rows` one after the other; their codes are one contiguous run,
+// prefetched across row ends up to the span's last code.
+template <bool kFourth, bool kOverflow>
+QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& rows,
+                              const float* x, int64_t padded_cols, float* plus_sums,
+                              float* minus_sums) {
+  const WordClasses& classes = WordClassTable();
+  const uint32_t* words = dictionary.words;
+  const int64_t last_code = std::max<int64_t>(rows.row_offsets[rows.end] - 1, 0);
+  for (int64_t r = rows.begin; r < rows.end; ++r) {
+    const int64_t begin = rows.row_offsets[r];
+    const int64_t end = rows.row_offsets[r + 1];
+    __m256 total = _mm256_setzero_ps();
+    float overflow_plus = 0.0f;
+    float overflow_minus = 0.0f;
+    int64_t pos = 0;
+    for (int64_t k = begin; k < end; ++k) {
+      if (pos >= padded_cols) return r;
+      _mm_prefetch(reinterpret_cast<const char*>(
+                       words + rows.codes[std::min(k + kPrefetchDistance, last_code)]),
+                   _MM_HINT_T0);
+      const uint16_t code = rows.codes[k];
+      const uint32_t word = words[code];
+      const float* window = x + pos;
+      if (kOverflow && WordClass(word) == kWordOverflowClass) {
+        uint32_t plus, minus;
+        EntryBits(dictionary, code, WordLength(word), &plus, &minus);
+        for (; plus != 0; plus &= plus - 1) overflow_plus += window[__builtin_ctz(plus)];
+        for (; minus != 0; minus &= minus - 1) overflow_minus += window[__builtin_ctz(minus)];
+      } else {
+        const __m128 values = FieldValues<kFourth>(word, window);
+        total = _mm256_fmadd_ps(_mm256_set_m128(values, values),
+                                _mm256_load_ps(classes.weights[WordClass(word)]), total);
+      }
+      pos += WordLength(word);
     }
-    return lanes;
-  }();
-  return table;
-}
-
-QMOE_AVX2 inline __m256 SelectLanes(const ByteLanes& lanes, uint32_t bits, __m256 x) {
-  const __m256i selected =
-      _mm256_load_si256(reinterpret_cast<const __m256i*>(lanes[bits & 0xFF].data()));
-  return _mm256_and_ps(x, _mm256_castsi256_ps(selected));
-}
-
-QMOE_AVX2 float HorizontalSum(__m256 v) {
-  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 quarter = _mm_add_ps(half, _mm_movehl_ps(half, half));
-  return _mm_cvtss_f32(_mm_add_ss(quarter, _mm_movehdup_ps(quarter)));
-}
-
-QMOE_AVX2 bool RowDot(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
-                      const float* x, int64_t padded_cols, float* plus_sum, float* minus_sum) {
-  const ByteLanes& lanes = ByteLaneMasks();
-  __m256 plus_total[4], minus_total[4];
-  for (int chunk = 0; chunk < 4; ++chunk) {
-    plus_total[chunk] = _mm256_setzero_ps();
-    minus_total[chunk] = _mm256_setzero_ps();
+    if (pos != padded_cols) return r;
+    plus_sums[r - rows.begin] = HorizontalSum(_mm256_castps256_ps128(total)) + overflow_plus;
+    minus_sums[r - rows.begin] = HorizontalSum(_mm256_extractf128_ps(total, 1)) + overflow_minus;
   }
-  int64_t pos = 0;
-  for (int64_t k = 0; k < count; ++k) {
-    if (pos >= padded_cols) return false;
-    const uint32_t length = EntryLength(dictionary, codes[k]);
-    uint32_t plus, minus;
-    EntryBits(dictionary, codes[k], length, &plus, &minus);
-    for (int chunk = 0; chunk < 4; ++chunk) {
-      const __m256 window = _mm256_loadu_ps(x + pos + 8 * chunk);
-      plus_total[chunk] = _mm256_add_ps(plus_total[chunk],
-                                        SelectLanes(lanes, plus >> (8 * chunk), window));
-      minus_total[chunk] = _mm256_add_ps(minus_total[chunk],
-                                         SelectLanes(lanes, minus >> (8 * chunk), window));
-    }
-    pos += length;
-  }
-  *plus_sum = HorizontalSum(_mm256_add_ps(_mm256_add_ps(plus_total[0], plus_total[1]),
-                                          _mm256_add_ps(plus_total[2], plus_total[3])));
-  *minus_sum = HorizontalSum(_mm256_add_ps(_mm256_add_ps(minus_total[0], minus_total[1]),
-                                           _mm256_add_ps(minus_total[2], minus_total[3])));
-  return pos == padded_cols;
+  return rows.end;
+}
+
+QMOE_AVX2 int64_t RowsDot(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
+                          int64_t padded_cols, float* plus_sums, float* minus_sums) {
+  const auto run = dictionary.words_fourth
+                       ? (dictionary.words_overflow ? RowsDotWith<true, true>
+                                                    : RowsDotWith<true, false>)
+                       : (dictionary.words_overflow ? RowsDotWith<false, true>
+                                                    : RowsDotWith<false, false>);
+  return run(dictionary, rows, x, padded_cols, plus_sums, minus_sums);
 }
 
 QMOE_AVX2 void GatherTokenRows(const float* table, const int32_t* index, int64_t count,
@@ -107,9 +130,8 @@ bool CpuHasAvx2() {
 }
 
 const RowKernels& Avx2RowKernels() {
-  // Listing nonzero positions is branchy bit iteration on any instruction set.
-  static const RowKernels kernels{"avx2", RowsDotOneByOne<RowDot>, PortableRowKernels().row_nonzeros,
-                                  GatherTokenRows, ScatterTokenRows};
+  static const RowKernels kernels{"avx2", RowsDot, WordsRowNonzeros, GatherTokenRows,
+                                  ScatterTokenRows};
   return kernels;
 }
 

@@ -1,48 +1,97 @@
-// Portable C++ row kernels: visit each nonzero weight through its mask bit.
+// Portable C++ row kernels: each codeword's nonzero weights come from its
+// word (qmoe_format.h), or from its mask bits when it overflows the word.
 #include <cstring>
 
 #include "cpu_row_kernels.h"
 
 namespace qmoe::cpu {
-namespace {
 
-bool RowDot(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
-            const float* x, int64_t padded_cols, float* plus_sum, float* minus_sum) {
-  float plus_total = 0.0f;
-  float minus_total = 0.0f;
-  int64_t pos = 0;
-  for (int64_t k = 0; k < count; ++k) {
-    if (pos >= padded_cols) return false;
-    const uint32_t length = EntryLength(dictionary, codes[k]);
-    uint32_t plus, minus;
-    EntryBits(dictionary, codes[k], length, &plus, &minus);
-    for (; plus != 0; plus &= plus - 1) plus_total += x[pos + __builtin_ctz(plus)];
-    for (; minus != 0; minus &= minus - 1) minus_total += x[pos + __builtin_ctz(minus)];
-    pos += length;
-  }
-  *plus_sum = plus_total;
-  *minus_sum = minus_total;
-  return pos == padded_cols;
+const WordClasses& WordClassTable() {
+  static const WordClasses table = [] {
+    WordClasses classes{};
+    for (int plus = 0; plus <= kWordFields; ++plus) {
+      for (int minus = 0; plus + minus <= kWordFields; ++minus) {
+        const int kind = (kWordFields + 1) * plus + minus;
+        classes.plus_count[kind] = plus;
+        classes.minus_count[kind] = minus;
+        for (int field = 0; field < kWordFields; ++field) {
+          classes.weights[kind][field] = field < plus ? 1.0f : 0.0f;
+          classes.weights[kind][kWordFields + field] =
+              field >= plus && field < plus + minus ? 1.0f : 0.0f;
+        }
+      }
+    }
+    return classes;
+  }();
+  return table;
 }
 
-bool RowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
-                 int64_t padded_cols, int32_t* plus_index, int64_t* plus_count,
-                 int32_t* minus_index, int64_t* minus_count) {
+bool WordsRowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
+                      int64_t padded_cols, int32_t* plus_index, int64_t* plus_count,
+                      int32_t* minus_index, int64_t* minus_count) {
+  const WordClasses& classes = WordClassTable();
   int64_t plus_size = 0;
   int64_t minus_size = 0;
   int64_t pos = 0;
   for (int64_t k = 0; k < count; ++k) {
     if (pos >= padded_cols) return false;
-    const uint32_t length = EntryLength(dictionary, codes[k]);
-    uint32_t plus, minus;
-    EntryBits(dictionary, codes[k], length, &plus, &minus);
-    // Bits lie below `length`, so the lists never outgrow pos + length.
-    for (; plus != 0; plus &= plus - 1) plus_index[plus_size++] = pos + __builtin_ctz(plus);
-    for (; minus != 0; minus &= minus - 1) minus_index[minus_size++] = pos + __builtin_ctz(minus);
-    pos += length;
+    const uint32_t word = dictionary.words[codes[k]];
+    const uint32_t kind = WordClass(word);
+    if (dictionary.words_overflow && kind == kWordOverflowClass) {
+      uint32_t plus, minus;
+      EntryBits(dictionary, codes[k], WordLength(word), &plus, &minus);
+      for (; plus != 0; plus &= plus - 1) plus_index[plus_size++] = pos + __builtin_ctz(plus);
+      for (; minus != 0; minus &= minus - 1) minus_index[minus_size++] = pos + __builtin_ctz(minus);
+    } else {
+      // All four fields go to both lists, and the counts keep the ones that
+      // belong: no branch per weight. Lists never outgrow pos + kWordFields,
+      // inside their kIndexSlack.
+      const int32_t plus_here = classes.plus_count[kind];
+      const uint32_t minus_fields = word >> (kWordFieldBits * plus_here);
+      for (int field = 0; field < kWordFields; ++field) {
+        plus_index[plus_size + field] = static_cast<int32_t>(pos + WordField(word, field));
+        minus_index[minus_size + field] = static_cast<int32_t>(pos + WordField(minus_fields, field));
+      }
+      plus_size += plus_here;
+      minus_size += classes.minus_count[kind];
+    }
+    pos += WordLength(word);
   }
   *plus_count = plus_size;
   *minus_count = minus_size;
+  return pos == padded_cols;
+}
+
+namespace {
+
+bool RowDot(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
+            const float* x, int64_t padded_cols, float* plus_sum, float* minus_sum) {
+  const WordClasses& classes = WordClassTable();
+  float plus_total = 0.0f;
+  float minus_total = 0.0f;
+  int64_t pos = 0;
+  for (int64_t k = 0; k < count; ++k) {
+    if (pos >= padded_cols) return false;
+    const uint32_t word = dictionary.words[codes[k]];
+    const uint32_t kind = WordClass(word);
+    const float* window = x + pos;
+    if (dictionary.words_overflow && kind == kWordOverflowClass) {
+      uint32_t plus, minus;
+      EntryBits(dictionary, codes[k], WordLength(word), &plus, &minus);
+      for (; plus != 0; plus &= plus - 1) plus_total += window[__builtin_ctz(plus)];
+      for (; minus != 0; minus &= minus - 1) minus_total += window[__builtin_ctz(minus)];
+    } else {
+      const float* weights = classes.weights[kind];
+      for (int field = 0; field < kWordFields; ++field) {
+        const float value = window[WordField(word, field)];
+        plus_total += weights[field] * value;
+        minus_total += weights[kWordFields + field] * value;
+      }
+    }
+    pos += WordLength(word);
+  }
+  *plus_sum = plus_total;
+  *minus_sum = minus_total;
   return pos == padded_cols;
 }
 
@@ -65,8 +114,8 @@ void ScatterTokenRows(float* table, const int32_t* index, int64_t count, const f
 }  // namespace
 
 const RowKernels& PortableRowKernels() {
-  static const RowKernels kernels{"portable", RowsDotOneByOne<RowDot>, RowNonzeros, GatherTokenRows,
-                                  ScatterTokenRows};
+  static const RowKernels kernels{"portable", RowsDotOneByOne<RowDot>, WordsRowNonzeros,
+                                  GatherTokenRows, ScatterTokenRows};
   return kernels;
 }
 

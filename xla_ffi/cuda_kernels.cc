@@ -56,9 +56,10 @@ ffi::Error ValidateIfRequested(const char* op, const CompressedView& w, const La
 
 ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                       ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
-                      ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
-                      ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer x,
-                      ffi::Buffer<ffi::S32> counts, ffi::Result<ffi::AnyBuffer> y) {
+                      ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
+                      ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                      ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+                      ffi::Result<ffi::AnyBuffer> y) {
   const Dims y_dims = y->dimensions();
   const Dims x_dims = x.dimensions();
   if (auto error = CheckDenseArgs(kMatmul, {"x", x.element_type(), x_dims, "cols"},
@@ -68,7 +69,7 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
   }
   const DenseOperand dense{"x", x_dims, /*width_is_rows=*/false, counts.dimensions()};
   Layout layout;
-  if (auto error = CheckOperands(kMatmul, masks, slots, codes, row_offsets, minmax,
+  if (auto error = CheckOperands(kMatmul, masks, slots, words, codes, row_offsets, minmax,
                                  Dims(y_dims.begin(), y_dims.size() - 2),
                                  y_dims[y_dims.size() - 2], x_dims.back(), &dense, &layout);
       error.failure()) {
@@ -96,7 +97,8 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
 
 ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
                                 ffi::ScratchAllocator scratch, ffi::Buffer<ffi::U32> masks,
-                                ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U16> codes,
+                                ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
+                                ffi::Buffer<ffi::U16> codes,
                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
                                 ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
                                 ffi::Result<ffi::AnyBuffer> dx) {
@@ -110,7 +112,7 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
   }
   const DenseOperand dense{"g", g_dims, /*width_is_rows=*/true, counts.dimensions()};
   Layout layout;
-  if (auto error = CheckOperands(op, masks, slots, codes, row_offsets, minmax,
+  if (auto error = CheckOperands(op, masks, slots, words, codes, row_offsets, minmax,
                                  Dims(dx_dims.begin(), dx_dims.size() - 2),
                                  dx_dims[dx_dims.size() - 2], dx_dims.back(), &dense, &layout);
       error.failure()) {
@@ -149,13 +151,14 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
 
 ffi::Error DequantizeImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                           ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
-                          ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                          ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
+                          ffi::Buffer<ffi::S32> row_offsets,
                           ffi::Buffer<ffi::BF16> minmax, int64_t cols,
                           ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
   const Dims dims = weights->dimensions();
   if (auto error = CheckDequantizeResult(kDequantize, dims, cols); error.failure()) return error;
   Layout layout;
-  if (auto error = CheckOperands(kDequantize, masks, slots, codes, row_offsets, minmax,
+  if (auto error = CheckOperands(kDequantize, masks, slots, words, codes, row_offsets, minmax,
                                  Dims(dims.begin(), dims.size() - 2), /*tokens=*/0, cols,
                                  /*dense=*/nullptr, &layout);
       error.failure()) {
@@ -192,6 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::ScratchAllocator>()              // used only by QMOE_CUDA_VALIDATE=1
         .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // masks u32[65536, 2]
         .Arg<xla::ffi::Buffer<xla::ffi::U8>>()          // slots u8[65536, 16] (shape checked only)
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // words u32[65536] (shape checked only)
         .Arg<xla::ffi::Buffer<xla::ffi::U16>>()         // codes u16[B..., n_codes]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // row_offsets i32[B..., rows + 1]
         .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // minmax bf16[B..., rows, 2]
@@ -208,6 +212,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::ScratchAllocator>()              // f32 sums for bf16 dx; validation
         .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // masks u32[65536, 2]
         .Arg<xla::ffi::Buffer<xla::ffi::U8>>()          // slots u8[65536, 16] (shape checked only)
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // words u32[65536] (shape checked only)
         .Arg<xla::ffi::Buffer<xla::ffi::U16>>()         // codes u16[B..., n_codes]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // row_offsets i32[B..., rows + 1]
         .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // minmax bf16[B..., rows, 2]
@@ -223,6 +228,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ctx<xla::ffi::ScratchAllocator>()              // used only by QMOE_CUDA_VALIDATE=1
         .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // masks u32[65536, 2]
         .Arg<xla::ffi::Buffer<xla::ffi::U8>>()          // slots u8[65536, 16] (shape checked only)
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()         // words u32[65536] (shape checked only)
         .Arg<xla::ffi::Buffer<xla::ffi::U16>>()         // codes u16[B..., n_codes]
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // row_offsets i32[B..., rows + 1]
         .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()        // minmax bf16[B..., rows, 2]

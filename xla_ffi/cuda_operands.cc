@@ -35,12 +35,13 @@ std::vector<int64_t> BatchStrides(Dims dims, size_t batch_rank) {
 }  // namespace
 
 ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
+                         ffi::Buffer<ffi::U32> words,
                          ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
                          ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t tokens, int64_t cols,
                          const DenseOperand* dense, Layout* layout) {
   const std::vector<int64_t> leading(batch.begin(), batch.end());
   int64_t rows = 0;
-  if (auto error = cpu::CheckCompressedShapes(op, masks, slots, codes, row_offsets, minmax, leading,
+  if (auto error = cpu::CheckCompressedShapes(op, masks, slots, words, codes, row_offsets, minmax, leading,
                                               cols, &rows);
       error.failure()) {
     return error;

@@ -46,11 +46,12 @@ struct DenseOperand {
   xla::ffi::Span<const int64_t> counts_dims;  // [B...]
 };
 
-// Checks masks, slots, codes, row_offsets, minmax and (if given) the dense
+// Checks masks, slots, words, codes, row_offsets, minmax and (if given) the dense
 // operand and its counts against a result with leading dims `batch`, N =
 // `tokens` and `cols` columns of W; fills `layout`. `op` prefixes messages.
 xla::ffi::Error CheckOperands(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
                               xla::ffi::Buffer<xla::ffi::U8> slots,
+                              xla::ffi::Buffer<xla::ffi::U32> words,
                               xla::ffi::Buffer<xla::ffi::U16> codes,
                               xla::ffi::Buffer<xla::ffi::S32> row_offsets,
                               xla::ffi::Buffer<xla::ffi::BF16> minmax,

@@ -26,6 +26,22 @@
 // With p0 = 0.885 no entry overflows, and a codeword carries ~2.5 nonzero
 // weights on average: a kernel picks them out of a 32-weight window of x with
 // one permute instead of masking all 28 lanes twice.
+//
+// The AVX2 and portable CPU kernels take a third form, "words" (qmoe_jax.ops
+// computes it once per dictionary from the masks), one uint32 per entry, a
+// quarter of the slots' cache footprint:
+//   bits 0..19   four 5-bit fields: positions (0..27) of the entry's nonzero
+//                weights, its plus weights first, then its minus weights,
+//                each ascending; unused fields 0;
+//   bits 20..24  class = 5*plus_count + minus_count when the entry has at
+//                most 4 nonzero weights, else kWordOverflowClass (kernels
+//                then read its masks);
+//   bits 25..29  2*pair_count, the entry's length in weights;
+//   bit 30       entry 0 only: some entry of the table overflows;
+//   bit 31       entry 0 only: some entry has 4 nonzero weights (without
+//                any, kernels read 3 fields).
+// Dictionaries built for p0 >= 0.885 have at most 3 nonzero weights per
+// entry, so a codeword costs 3 loads of x and one fused multiply-add.
 #pragma once
 
 #include <cstdint>
@@ -53,5 +69,22 @@ inline constexpr uint8_t kUnusedSlot = 31;
 inline constexpr uint8_t kSlotsOverflow = 0x80;
 inline constexpr uint8_t kSlotsTableOverflows = 0x40;
 inline constexpr uint8_t kSlotLengthMask = 0x1F;
+
+inline constexpr int kWordFields = 4;
+inline constexpr int kWordFieldBits = 5;
+inline constexpr uint32_t kWordFieldMask = 0x1F;
+inline constexpr int kWordClassShift = 20;
+inline constexpr int kWordLengthShift = 25;
+inline constexpr uint32_t kWordOverflowClass = 31;
+inline constexpr int kWordClasses = 32;
+inline constexpr uint32_t kWordsTableOverflows = 1u << 30;
+inline constexpr uint32_t kWordsTableHasFourth = 1u << 31;
+
+inline constexpr uint32_t WordClass(uint32_t word) {
+  return (word >> kWordClassShift) & kWordFieldMask;
+}
+inline constexpr uint32_t WordLength(uint32_t word) {
+  return (word >> kWordLengthShift) & kWordFieldMask;
+}
 
 }  // namespace qmoe

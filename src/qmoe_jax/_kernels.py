@@ -4,8 +4,9 @@ CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON).
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
 N tokens per matrix, of which ``counts[B...]`` (int32, clamped to [0, N]) are
-in use: the first ones along N. The dictionary enters every call as two
-constants, its ``masks`` and its sparse ``slots`` form (xla_ffi/qmoe_format.h).
+in use: the first ones along N. The dictionary enters every call as three
+constants: its ``masks``, its sparse ``slots`` form and its compact ``words``
+form (xla_ffi/qmoe_format.h).
 """
 
 from __future__ import annotations
@@ -36,6 +37,13 @@ MINUS_SLOTS = 7
 UNUSED_SLOT = 31
 SLOTS_OVERFLOW = 0x80
 SLOTS_TABLE_OVERFLOWS = 0x40
+WORD_FIELDS = 4
+WORD_FIELD_BITS = 5
+WORD_CLASS_SHIFT = 20
+WORD_LENGTH_SHIFT = 25
+WORD_OVERFLOW_CLASS = 31
+WORDS_TABLE_OVERFLOWS = 1 << 30
+WORDS_TABLE_HAS_FOURTH = 1 << 31
 FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
@@ -92,12 +100,47 @@ def slots_from_masks(masks: np.ndarray) -> np.ndarray:
     return np.concatenate([plus_slots, minus_slots, meta[:, None]], axis=1).astype(np.uint8)
 
 
+def words_from_masks(masks: np.ndarray) -> np.ndarray:
+    """The compact kernel form of a dictionary (layout in xla_ffi/qmoe_format.h).
+
+    Args:
+      masks: uint32[65536, 2], ``Dictionary.masks``.
+
+    Returns:
+      uint32[65536]: per entry the positions of its (at most 4) nonzero
+      weights, plus weights first, its class (5 * plus count + minus count, or
+      the overflow class) and its length; entry 0 also flags whether any entry
+      overflows and whether any has 4 nonzero weights.
+    """
+    masks = np.asarray(masks, np.uint32)
+    weight_bits = np.arange(28, dtype=np.uint32)
+    plus = ((masks[:, 0, None] >> weight_bits) & 1).astype(bool)
+    minus = ((masks[:, 1, None] >> weight_bits) & 1).astype(bool)
+    plus_count, minus_count = plus.sum(axis=1), minus.sum(axis=1)
+    # Each weight's rank among the entry's nonzero weights: plus weights first, then minus.
+    rank = np.where(plus, np.cumsum(plus, axis=1) - 1, plus_count[:, None] + np.cumsum(minus, axis=1) - 1)
+    nonzero = plus | minus
+    fields = np.zeros(len(masks), np.uint32)
+    for field in range(WORD_FIELDS):
+        at = nonzero & (rank == field)
+        position = np.where(at.any(axis=1), np.argmax(at, axis=1), 0).astype(np.uint32)
+        fields |= position << np.uint32(WORD_FIELD_BITS * field)
+    overflow = plus_count + minus_count > WORD_FIELDS
+    kind = np.where(overflow, WORD_OVERFLOW_CLASS, 5 * plus_count + minus_count).astype(np.uint32)
+    length = 2 * (masks[:, 0] >> np.uint32(28))
+    words = fields | (kind << np.uint32(WORD_CLASS_SHIFT)) | (length << np.uint32(WORD_LENGTH_SHIFT))
+    words[0] |= np.uint32(WORDS_TABLE_OVERFLOWS if overflow.any() else 0)
+    words[0] |= np.uint32(WORDS_TABLE_HAS_FOURTH if (plus_count + minus_count == WORD_FIELDS).any() else 0)
+    return words
+
+
 @functools.lru_cache(maxsize=8)
-def dictionary_operands(dictionary: Dictionary) -> tuple[jax.Array, jax.Array]:
-    """(masks, slots) of a dictionary as device arrays, computed once per dictionary."""
+def dictionary_operands(dictionary: Dictionary) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(masks, slots, words) of a dictionary as device arrays, computed once per dictionary."""
     masks = np.asarray(dictionary.masks, np.uint32)
     with jax.ensure_compile_time_eval():  # concrete even when first asked inside a trace
-        return jnp.asarray(masks), jnp.asarray(slots_from_masks(masks))
+        return (jnp.asarray(masks), jnp.asarray(slots_from_masks(masks)),
+                jnp.asarray(words_from_masks(masks)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,9 +152,8 @@ class Static:
 
 
 def _call(target: str, static: Static, codes, row_offsets, minmax, *dense, result):
-    masks, slots = dictionary_operands(static.dictionary)
     return jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(
-        masks, slots, codes, row_offsets, minmax, *dense
+        *dictionary_operands(static.dictionary), codes, row_offsets, minmax, *dense
     )
 
 
@@ -139,10 +181,10 @@ def matmul_transposed_call(static: Static, codes, row_offsets, minmax, g, counts
 
 def dequantize_call(static: Static, codes, row_offsets, minmax):
     """W as bf16[B..., rows, cols]."""
-    masks, slots = dictionary_operands(static.dictionary)
     result = jax.ShapeDtypeStruct((*minmax.shape[:-1], static.cols), jnp.bfloat16)
     return jax.ffi.ffi_call(DEQUANTIZE, result, vmap_method="expand_dims")(
-        masks, slots, codes, row_offsets, minmax, cols=np.int64(static.cols)
+        *dictionary_operands(static.dictionary), codes, row_offsets, minmax,
+        cols=np.int64(static.cols)
     )
 
 
