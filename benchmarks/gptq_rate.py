@@ -17,7 +17,8 @@ after), on two FLOP counts:
     lazy updates at every block level); the issue's 33-34% was measured on this count
     with the fori_loop variant.
 The time split: the Cholesky (`hessian_factor` alone, jitted the same way) and the
-column sweep (the rest). The recursive Cholesky (quant/linalg.py) executes more than
+column sweep (the rest); the sweep's parts are also timed alone at the first token count
+(outer lazy updates; inner levels: 16-column sub-blocks and single columns). The recursive Cholesky (quant/linalg.py) executes more than
 cols^3/3: it also forms the inverses of the leading blocks; its executed count is
 printed beside it.
 
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib
 import json
 import os
 import pathlib
@@ -42,13 +45,15 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from gptq_grouping import executed_flops, factor_seconds, matmul_rate, minimal_flops, synthetic_layer, timed
 from inference import cpu_model
 
-from qmoe_jax.quant import GPTQConfig, GridConfig, hessian, quantize_expert_group
+from qmoe_jax.quant import GPTQConfig, GridConfig, grid_params, hessian, quantize_expert_group
 from qmoe_jax.quant.linalg import BASE_SIZE
 
 GOAL = 0.60
+gptq_module = importlib.import_module("qmoe_jax.quant.gptq")  # the module (qmoe_jax.quant.gptq is the function)
 VARIANTS = {"unrolled": GPTQConfig(), "fori_loop": GPTQConfig(unroll_blocks=False)}
 
 
@@ -85,6 +90,46 @@ def hessian_seconds(tokens: int, cols: int, repeats: int, seed: int) -> float:
     return min(timed(lambda: accumulate(inputs, mask).block_until_ready())[0] for _ in range(repeats))
 
 
+def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQConfig) -> dict:
+    """Seconds of the unrolled sweep's parts for one W[rows, cols], each jitted alone on a synthetic upper-triangular
+    factor (the work does not depend on the values): the outer lazy updates, the inner levels (sub-blocks and
+    columns) of every outer block, and the column level alone (every sub-block's per-column loop)."""
+    weights_t = weights.T
+    cols = weights_t.shape[0]
+    if cols % config.block_size:
+        return {}
+    factor = jnp.asarray(np.triu(np.random.default_rng(0).standard_normal((cols, cols), np.float32)) * 0.01
+                         + np.eye(cols, dtype=np.float32))
+    factor_diag = jnp.diagonal(factor)
+    scaled = factor * (1 / factor_diag)[None, :]
+    params = grid_params(weights, grid)
+    outer, inner = config.block_size, config.block_sizes[1:]
+
+    def inner_levels(weights_t, scaled, factor_diag, params, sizes, step):
+        return [gptq_module._sweep(weights_t[s:s + step], jnp.zeros_like(weights_t[s:s + step]),
+                                   scaled[s:s + step, s:s + step], factor_diag[s:s + step], params, grid, sizes)[1]
+                for s in range(0, cols, step)]
+
+    def outer_updates(weights_t, scaled, factor_diag, params):
+        corrections = jnp.zeros_like(weights_t)
+        for start in range(0, cols - outer, outer):
+            stop = start + outer
+            corrections = corrections.at[stop:].add(jnp.matmul(scaled[start:stop, stop:].T, weights_t[start:stop],
+                                                               precision=lax.Precision.HIGHEST))
+        return corrections
+
+    def best(fn, **static):
+        # the arrays are arguments, not closed-over constants that XLA could fold at compile time
+        jitted = jax.jit(functools.partial(fn, **static))
+        operands = (weights_t, scaled, factor_diag, params)
+        jax.block_until_ready(jitted(*operands))
+        return min(timed(lambda: jax.block_until_ready(jitted(*operands)))[0] for _ in range(repeats))
+
+    return dict(outer_updates_seconds=best(outer_updates),
+                inner_levels_seconds=best(inner_levels, sizes=inner, step=outer),
+                column_level_seconds=best(inner_levels, sizes=(1,), step=config.block_sizes[-2]))
+
+
 def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
     layer_args = argparse.Namespace(seed=args.seed, experts=1, d_model=args.d_model, d_ff=args.d_ff, tokens=tokens)
     weights_wi, hessians_wi, weights_wo, hessians_wo = synthetic_layer(layer_args)
@@ -107,6 +152,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                                        np.asarray(getattr(results["fori_loop"], field)))
                         for field in ("codes", "grid_params", "fallback"))
         hessian_s = hessian_seconds(tokens, cols, args.repeats, args.seed)
+        split = sweep_split(weights[0], args.repeats, grid, VARIANTS["unrolled"]) if tokens == args.tokens[0] else {}
         for variant, config in VARIANTS.items():
             seconds = min(run[0] for run in runs[variant])
             rows.append(dict(
@@ -119,7 +165,8 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                 gflop_executed=executed_flops(out_rows, cols, config) / 1e9,
                 gflop_cholesky_executed=cholesky_executed_flops(cols) / 1e9,
                 codes_identical_across_variants=identical, fallback=bool(results[variant].fallback[0]),
-                hessian_seconds=hessian_s, hessian_gflop=2.0 * tokens * cols**2 / 1e9))
+                hessian_seconds=hessian_s, hessian_gflop=2.0 * tokens * cols**2 / 1e9,
+                sweep_split=split if variant == "unrolled" else {}))
     return rows
 
 
@@ -182,6 +229,12 @@ def main():
                   f"{total['gflop_cholesky_executed']:.1f} GFLOP for its "
                   f"{sum(c**3 / 3 for c in (args.d_model, args.d_ff)) / 1e9:.1f} useful, at "
                   f"{total['gflop_cholesky_executed'] / total['cholesky_seconds'] * 1e9 / rate:.0%} of the matmul rate")
+    for row in rows:
+        if row["sweep_split"]:
+            split = row["sweep_split"]
+            print(f"{row['matrix']} sweep, parts timed alone: outer updates {split['outer_updates_seconds']:.3f} s, "
+                  f"inner levels {split['inner_levels_seconds']:.3f} s (of which the per-column loops "
+                  f"{split['column_level_seconds']:.3f} s)")
     largest = max(args.tokens)
     final = next(t for t in totals if t["tokens"] == largest and t["variant"] == "unrolled")
     print(f"goal: solver >= {GOAL:.0%} of the matmul rate at {largest} tokens: useful count "
