@@ -29,9 +29,10 @@ about half the FLOPs of a ``fori_loop`` over blocks, whose fixed shapes make
 every update span all n columns (the entries for earlier columns are products
 with S's zeros below the diagonal, and the block's own columns are never read
 again). Every correction a later column reads is the same sum of the same
-products in the same order either way, so the codes are bit-identical (a test
-checks it); the unrolled program compiles slower (one copy of the inner loops
-per block).
+products in the same order either way, and XLA's matmul rounds an output
+element alike whatever the output's width, so the codes are bit-identical (a
+test checks it, also vmapped; benchmarks/gptq_rate.py on switch-base shapes);
+the unrolled program compiles slower (one copy of the inner loops per block).
 
 Failures are data: when H is not positive definite after damping (or no
 column is live), ``ok`` is False and the matrix is rounded to nearest (R =
