@@ -20,9 +20,11 @@ steadier measure of the work done.
 
 FLOPs counted are those the solver executes per matrix (rows x cols, cols padded to
 np, nested block sizes (128, 16, 1)): Cholesky cols^3/3, and the lazy updates of
-every block level, 2·rows·np·(np + 128 + 16) (full-width updates: the upper-triangular
-structure makes about half of the top level's products zeros). The minimal count
-(cols^3/3 + rows·cols^2) is reported beside it.
+every block level, 2·rows·np·(np + 128 + 16) with a fori_loop over the outer blocks
+(full-width updates: the upper-triangular structure makes about half of the top
+level's products zeros), rows·np·(np − 128) + 2·rows·np·(128 + 16) with the default
+unrolled outer blocks (GPTQConfig.unroll_blocks: trailing columns only). The
+minimal count (cols^3/3 + rows·cols^2) is reported beside it.
 
 The LAPACK calls under the Cholesky (jaxlib's CPU kernels, through scipy's OpenBLAS)
 run with OPENBLAS_NUM_THREADS=1 unless the environment sets it: OpenBLAS's own thread
@@ -91,10 +93,15 @@ def synthetic_layer(args):
             jnp.asarray(kernel_wo.transpose(0, 2, 1)), hessians_wo)
 
 
-def executed_flops(rows: int, cols: int, block_sizes: tuple[int, ...]) -> float:
+def executed_flops(rows: int, cols: int, config: GPTQConfig) -> float:
+    """Cholesky cols^3/3 plus the lazy updates the sweep executes: every level full width, except the outer
+    one when unrolled (``config.unroll_blocks``: block b updates only the columns after it)."""
+    block_sizes = config.block_sizes
     padded = -(-cols // block_sizes[0]) * block_sizes[0]
-    parents = (padded,) + block_sizes[:-1]
-    return cols**3 / 3 + sum(2.0 * rows * padded * parent for parent in parents)
+    blocks = padded // block_sizes[0]
+    outer = (float(rows) * block_sizes[0] ** 2 * blocks * (blocks - 1) if config.unroll_blocks
+             else 2.0 * rows * padded * padded)
+    return cols**3 / 3 + outer + sum(2.0 * rows * padded * parent for parent in block_sizes[:-1])
 
 
 def minimal_flops(rows: int, cols: int) -> float:
@@ -164,7 +171,7 @@ def main():
     weights_wi, hessians_wi, weights_wo, hessians_wo = synthetic_layer(args)
     matrices = [(weights_wi, hessians_wi), (weights_wo, hessians_wo)]
     tokens = jnp.full((args.experts,), args.tokens, jnp.int32)
-    flops = args.experts * sum(executed_flops(w.shape[1], w.shape[2], config.block_sizes) for w, _ in matrices)
+    flops = args.experts * sum(executed_flops(w.shape[1], w.shape[2], config) for w, _ in matrices)
     flops_min = args.experts * sum(minimal_flops(w.shape[1], w.shape[2]) for w, _ in matrices)
     rate, rate_per_cpu = matmul_rate()
 

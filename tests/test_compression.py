@@ -54,6 +54,12 @@ def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
     assert os.path.isfile(tmp_path / "out" / "report.png")
     saved = json.load(open(tmp_path / "out" / "report.json"))
     assert saved["moe"] == report["moe"]
+    # the CLI's own timing: every phase of the run, each a share of the total
+    seconds = saved["seconds"]
+    phases = ("data", "read", "dense", "hessian", "gptq", "encode", "forward", "write")
+    assert all(seconds[phase] > 0 for phase in phases), seconds
+    assert seconds["replay"] == 0 and sum(seconds[phase] for phase in phases) <= seconds["total"]
+    assert seconds["read"] > sum(layer["seconds"]["read"] for layer in saved["layers"])  # + non-expert weights
 
     model = load_compressed_model(str(tmp_path / "out"))
     wi = np.asarray(model.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]["kernel"])

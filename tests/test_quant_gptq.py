@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -72,6 +74,24 @@ def test_block_sizes_change_only_float_rounding(config):
     result = gptq_jit(weights, hessian, grid=TERNARY, config=config)
     assert np.mean(np.asarray(result.codes) == np.asarray(reference.codes)) >= 0.995
     np.testing.assert_allclose(float(result.loss), float(reference.loss), rtol=1e-3)
+
+
+@pytest.mark.parametrize("grid", [TERNARY, GridConfig("minmax", 2)], ids=["ternary", "minmax2"])
+@pytest.mark.parametrize("config", [GPTQConfig(block_size=64), GPTQConfig(block_size=32, sub_block_size=32),
+                                    GPTQConfig(block_size=64, act_order=True)], ids=["b64-s16", "b32-flat", "act-order"])
+def test_unrolled_blocks_give_the_fori_loops_codes_bit_for_bit(grid, config):
+    # 300 columns: several outer blocks and a padded last one; the unrolled sweep's trailing-only updates
+    # must add the same products in the same order as the full-width updates of the fori_loop over blocks
+    weights, inputs = correlated_problem(9, rows=48, cols=300, rank=40)
+    hessian = inputs.T @ inputs
+    unrolled = gptq_jit(weights, hessian, grid=grid, config=config)
+    looped = gptq_jit(weights, hessian, grid=grid, config=dataclasses.replace(config, unroll_blocks=False))
+    assert config.unroll_blocks and bool(unrolled.ok)
+    np.testing.assert_array_equal(np.asarray(unrolled.codes), np.asarray(looped.codes))
+    np.testing.assert_array_equal(np.asarray(unrolled.grid_params), np.asarray(looped.grid_params))
+    np.testing.assert_array_equal(np.asarray(unrolled.loss), np.asarray(looped.loss))
+    batched = jax.jit(jax.vmap(lambda w, h: gptq(w, h, grid, config)))(np.stack([weights] * 3), np.stack([hessian] * 3))
+    np.testing.assert_array_equal(np.asarray(batched.codes[1]), np.asarray(looped.codes))
 
 
 def test_act_order_quantizes_by_descending_diagonal_and_restores_column_order():

@@ -335,7 +335,9 @@ def _compress(options: CompressionOptions, config: SwitchConfig, source: T5XChec
     total, experts = _parameter_counts(source)
     seconds = {"data": data_seconds} | result["seconds"]
     report = build_report(writer.manifest, total, experts, seconds)
+    finalize_started = time.perf_counter()
     writer.finalize({"moe": report["moe"], "model": report["model"]})
+    report["seconds"]["write"] += time.perf_counter() - finalize_started
     if options.evaluation_examples():
         evaluation_started = time.perf_counter()
         report["evaluation"] = _evaluate(options, weights, config, tokenizer, writer.directory, progress)

@@ -96,7 +96,17 @@ class CalibrationPass:
         self.log = log
         self.progress = progress
         self.dtype = config.jnp_dtype
-        self.seconds: dict[str, float] = {"dense": 0.0, "replay": 0.0}
+        # stages outside the sparse layers' own (their read, hessian, gptq, encode, forward: sparse_layer.py):
+        # dense = the calibration forward of attention and dense MLPs, read = the non-expert weights,
+        # write = the dense parameters and each finished layer, replay = finished layers re-run on resume
+        self.seconds: dict[str, float] = {"dense": 0.0, "replay": 0.0, "read": 0.0, "write": 0.0}
+
+    def _timed(self, stage: str, fn: Callable, *args):
+        started = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds[stage] += time.perf_counter() - started
 
     # --- weights -------------------------------------------------------------------------
     def _dense_layer_params(self, stack: str, index: int) -> dict:
@@ -120,7 +130,7 @@ class CalibrationPass:
                    length: int) -> None:
         cfg = self.config
         sparse = cfg.is_sparse_layer(index, decoder=stack == "decoder")
-        params = self._dense_layer_params(stack, index)
+        params = self._timed("read", self._dense_layer_params, stack, index)
         mlp_inputs = np.zeros_like(buffer.states) if sparse else None
         routing = {k: np.zeros(buffer.states.shape[0], t) for k, t in (("expert", np.int32), ("gate", np.float32), ("kept", bool))}
         started = time.perf_counter()
@@ -154,7 +164,7 @@ class CalibrationPass:
             result = compress_layer(cfg, self.settings.experts, tokens, self._expert_reader(stack, index),
                                     self._dictionary_for, on_group=groups.update)
             groups.close()
-            self.writer.write_layer(name, result.arrays, result.stats)
+            self._timed("write", self.writer.write_layer, name, result.arrays, result.stats)
             outputs = result.outputs
         buffer.states += outputs.astype(buffer.states.dtype)
 
@@ -182,12 +192,13 @@ class CalibrationPass:
     def run(self) -> dict:
         cfg, data = self.config, self.data
         if not self.writer.has_dense():
-            self.writer.write_dense(self.checkpoint.read_params())
-        embedding = np.asarray(self.checkpoint.read("token_embedder/embedding"), np.float32)
+            self._timed("write", self.writer.write_dense, self._timed("read", self.checkpoint.read_params))
+        embedding = np.asarray(self._timed("read", self.checkpoint.read, "token_embedder/embedding"), np.float32)
         encoder_lengths = (data.encoder_input_tokens > 0).sum(axis=1)
         decoder_lengths = (data.decoder_target_tokens > 0).sum(axis=1)
         enc_len, dec_len = data.encoder_input_tokens.shape[1], data.decoder_target_tokens.shape[1]
-        relpos = {s: _to_compute(_subtree(self.checkpoint.read_params([f"{s}/relpos_bias"]), f"{s}/relpos_bias"), self.dtype)
+        relpos = {s: _to_compute(_subtree(self._timed("read", self.checkpoint.read_params, [f"{s}/relpos_bias"]),
+                                          f"{s}/relpos_bias"), self.dtype)
                   for s in ("encoder", "decoder")}
 
         encoder = TokenBuffer(encoder_lengths, cfg.d_model)
@@ -206,7 +217,8 @@ class CalibrationPass:
             self._run_layer(stack, index, encoder, encoder_attend_batch, premask, enc_len)
             bar.update()
 
-        norm = _to_compute(self.checkpoint.read_params(["encoder/encoder_norm"])["encoder"]["encoder_norm"], self.dtype)
+        norm = _to_compute(self._timed("read", self.checkpoint.read_params, ["encoder/encoder_norm"])["encoder"]["encoder_norm"],
+                           self.dtype)
         encoded = TokenBuffer(encoder_lengths, cfg.d_model)
         for first, last in encoder.batches(self.settings.batch_size):
             rows, valid = encoder.padded_index(first, last, enc_len)

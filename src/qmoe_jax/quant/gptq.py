@@ -23,6 +23,17 @@ S and the residuals D = W − Q in place of U and E. Blocks nest (B = 128, then
 sub-blocks of 16, then single columns) so the per-column updates stay in cache;
 the result does not depend on the block sizes beyond float rounding.
 
+The outer blocks run unrolled by default (``GPTQConfig.unroll_blocks``): each
+block's lazy update is one matmul onto the later columns only, S[block, later]ᵀ·D,
+about half the FLOPs of a ``fori_loop`` over blocks, whose fixed shapes make
+every update span all n columns (the entries for earlier columns are products
+with S's zeros below the diagonal, and the block's own columns are never read
+again). Every correction a later column reads is the same sum of the same
+products in the same order either way, and XLA's matmul rounds an output
+element alike whatever the output's width, so the codes are bit-identical (a
+test checks it, also vmapped; benchmarks/gptq_rate.py on switch-base shapes);
+the unrolled program compiles slower (one copy of the inner loops per block).
+
 Failures are data: when H is not positive definite after damping (or no
 column is live), ``ok`` is False and the matrix is rounded to nearest (R =
 identity, the original weights), never an exception.
@@ -54,12 +65,15 @@ class GPTQConfig:
       act_order: quantize columns by descending diag(H) (codes come back in the original order).
       sub_block_size: a second lazy-update level inside each block, for speed only; must divide
         block_size (1 or block_size: none).
+      unroll_blocks: run the outer blocks unrolled, each lazy update onto the later columns only (about
+        half the update FLOPs, same codes, slower compile); False: one ``fori_loop`` over blocks.
     """
 
     block_size: int = 128
     damping: float = 0.1
     act_order: bool = False
     sub_block_size: int = 16
+    unroll_blocks: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.block_size, int) and self.block_size > 0):
@@ -134,6 +148,27 @@ def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConf
     return residuals_t, codes_t, squared_errors
 
 
+def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
+    """``_sweep`` from zero corrections with its outer block loop unrolled: block b's lazy update is
+    S[b, later]ᵀ·D_b onto the later columns only (static shapes per block), the inner levels ``_sweep``'s."""
+    size, inner_sizes = block_sizes[0], block_sizes[1:]
+    cols = weights_t.shape[0]
+    corrections_t = jnp.zeros_like(weights_t)
+    residuals, codes, squared_errors = [], [], jnp.zeros_like(weights_t[0])
+    for start in range(0, cols, size):
+        stop = start + size
+        block_residuals, block_codes, block_squared_errors = _sweep(
+            weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop], factor_diag[start:stop],
+            params, grid, inner_sizes)
+        if stop < cols:
+            update = jnp.matmul(scaled[start:stop, stop:].T, block_residuals, precision=_HIGHEST)
+            corrections_t = corrections_t.at[stop:].add(update)
+        residuals.append(block_residuals)
+        codes.append(block_codes)
+        squared_errors = squared_errors + block_squared_errors
+    return jnp.concatenate(residuals), jnp.concatenate(codes), squared_errors
+
+
 def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQConfig = GPTQConfig()) -> GPTQResult:
     """Quantize one matrix with GPTQ.
 
@@ -176,8 +211,11 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     factor_diag = jnp.diagonal(factor)
     scaled = factor * (1 / factor_diag)[None, :]  # S = R_jk / R_kk, multiplied as in linalg.py (batch-invariant)
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0)))
-    _, codes_t, squared_errors = _sweep(weights_t, jnp.zeros_like(weights_t), scaled, factor_diag, params, grid,
-                                        config.block_sizes)
+    if config.unroll_blocks:
+        _, codes_t, squared_errors = _sweep_unrolled(weights_t, scaled, factor_diag, params, grid, config.block_sizes)
+    else:
+        _, codes_t, squared_errors = _sweep(weights_t, jnp.zeros_like(weights_t), scaled, factor_diag, params, grid,
+                                            config.block_sizes)
     codes = codes_t[:cols].T
     if config.act_order:
         codes = codes[:, jnp.argsort(order)]
