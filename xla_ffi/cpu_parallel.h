@@ -2,20 +2,33 @@
 // ThreadPool). XLA may run scheduled tasks later, on fewer threads, or on the
 // calling thread, so the caller works too and helpers that start after all
 // tasks are claimed exit at once: the loop never waits on a task that is not
-// already running.
+// already running, and it spins briefly before it sleeps on one that is.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace qmoe::cpu {
+
+// How long the caller of ParallelFor spins for helpers to finish before it sleeps.
+inline constexpr std::chrono::microseconds kSpinWait{200};
+
+inline void CpuRelax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
 
 // Threads a loop may use: XLA's pool plus the caller (at least 1).
 inline int64_t Workers(xla::ffi::ThreadPool& pool) {
@@ -49,6 +62,15 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t tasks, const Body& body) {
   const int64_t helpers = std::min(tasks, Workers(pool)) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([loop] { loop->Work(); });
   loop->Work();
+  // Every task is claimed now; helpers still on one finish within a task's
+  // time. Wait for them spinning first (up to kSpinWait): sleeping and being
+  // woken costs tens of microseconds on a virtual machine, as much as a
+  // small matrix's whole product (measured: a 768x3072 matvec 0.21 ms with
+  // an immediate sleep, 0.13 ms with the spin, on 2 cores of a Zen 3 VM).
+  const auto spin_until = std::chrono::steady_clock::now() + kSpinWait;
+  while (loop->finished.load() != tasks && std::chrono::steady_clock::now() < spin_until) {
+    for (int i = 0; i < 64; ++i) CpuRelax();
+  }
   std::unique_lock<std::mutex> lock(loop->mutex);
   loop->all_finished.wait(lock, [&] { return loop->finished.load() == tasks; });
 }
