@@ -11,8 +11,9 @@ dense baselines multiply the same matrix, decoded, in float32 and bfloat16.
   encode   weights per second of ``codec.encode`` on one thread (per core).
 
 Times are medians over --repeats rounds; in each round every candidate of a
-shape runs once, back to back in shuffled order, so load from other processes
-hits all of them alike (minimums are in the JSON too). Weights and inputs are
+group runs once, back to back in shuffled order, so load from other processes
+hits all of them alike (minimums are in the JSON too). The bf16 matvecs form
+a group of their own (see bench_shape). Weights and inputs are
 jit arguments.
 
     python benchmarks/kernels_cpu.py [--quick]
@@ -98,11 +99,18 @@ def bench_shape(
 
     kernel_matvec = jax.jit(ops.matvec, static_argnums=2)
     dense_dot = jax.jit(jnp.dot)
+    # The bf16 pair takes turns in rounds of its own: XLA:CPU's bf16 dot is
+    # slow and compute-bound, and the call right after one runs up to 1.7x
+    # slower (benchmarks/kernels_cpu_rotating.py's docstring).
     matvec = side_by_side(
         {
             "kernel_f32": lambda: kernel_matvec(w, x, dictionary),
-            "kernel_bf16": lambda: kernel_matvec(w, x_bf16, dictionary),
             "dense_f32": lambda: dense_dot(dense, x),
+        },
+        repeats,
+    ) | side_by_side(
+        {
+            "kernel_bf16": lambda: kernel_matvec(w, x_bf16, dictionary),
             "dense_bf16": lambda: dense_dot(dense_bf16, x_bf16),
         },
         repeats,
