@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -29,25 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from kernels_cpu import P0, encode_matrix, side_by_side, synthetic
+from machine import cpu_model
 
 from qmoe_jax import ops
 from qmoe_jax.codec import CompressedExperts, build_dictionary
 
 D_MODEL, D_FF = 768, 3072
-
-
-def cpu_model() -> str:
-    """lscpu's 'Model name' (or /proc/cpuinfo's 'model name')."""
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        with open("/proc/cpuinfo") as f:
-            lines = f.read()
-    for line in lines.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() == "model name":
-            return value.strip()
-    return "unknown"
 
 
 def expert_stack(rng, dictionary, experts: int, rows: int, cols: int) -> CompressedExperts:

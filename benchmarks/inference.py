@@ -39,13 +39,14 @@ import dataclasses
 import functools
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 import numpy as np
+
+from machine import cpu_model  # noqa: F401  (also imported from here by sibling benchmarks)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("bundled", "base-shaped", "base128-shaped")
@@ -57,14 +58,6 @@ PEAK_WRAPPER = (
     "print('qmoe-peak-rss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, flush=True)\n"
     "sys.exit(code)\n"
 )
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------- synthetic checkpoints
