@@ -54,7 +54,7 @@ import sys
 import time
 
 from inference import cpu_model
-from streaming import REPO, directory_bytes, synthetic_params
+from streaming import REPO, directory_bytes, fresh_work_dir, synthetic_params
 
 from qmoe_jax.checkpoints import path_shapes, write_t5x_checkpoint
 from qmoe_jax.models import get_config, param_shapes
@@ -165,14 +165,7 @@ def project(run: dict, config, target_name: str, project_samples: int, num_sampl
 def main():
     args = parse_args()
     config = measured_config(args.experts)
-    args.work_dir = os.path.abspath(args.work_dir)
-    marker = os.path.join(args.work_dir, ".qmoe_compress_time_benchmark")
-    if os.path.isdir(args.work_dir) and os.listdir(args.work_dir) and not os.path.exists(marker):
-        raise SystemExit(f"--work_dir {args.work_dir} holds files this benchmark did not make; "
-                         "give a new or empty directory (it is deleted at the end)")
-    shutil.rmtree(args.work_dir, ignore_errors=True)
-    os.makedirs(args.work_dir)
-    open(marker, "w").close()
+    args.work_dir = fresh_work_dir(args.work_dir, ".qmoe_compress_time_benchmark")
     load_before = os.getloadavg()
     checkpoint = write_t5x_checkpoint(os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1)
     config_path = os.path.join(args.work_dir, "config.json")

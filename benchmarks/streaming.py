@@ -111,6 +111,22 @@ def directory_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
 
 
+def fresh_work_dir(path: str, marker_name: str) -> str:
+    """Empties ``path`` for a benchmark, refusing a non-empty directory this benchmark did not make.
+
+    The benchmark's own directories carry the file ``marker_name``; returns the absolute path.
+    """
+    path = os.path.abspath(path)
+    marker = os.path.join(path, marker_name)
+    if os.path.isdir(path) and os.listdir(path) and not os.path.exists(marker):
+        raise SystemExit(f"--work_dir {path} holds files this benchmark did not make; "
+                         "give a new or empty directory (it is deleted at the end)")
+    shutil.rmtree(path, ignore_errors=True)
+    os.makedirs(path)
+    open(marker, "w").close()
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, default=128)
@@ -132,14 +148,7 @@ def main() -> None:
         num_encoder_sparse_layers=args.layers // 2, num_decoder_sparse_layers=args.layers // 2,
         checkpoint_path=None, checkpoint_step=None,
     )
-    args.work_dir = os.path.abspath(args.work_dir)
-    marker = os.path.join(args.work_dir, ".qmoe_streaming_benchmark")
-    if os.path.isdir(args.work_dir) and os.listdir(args.work_dir) and not os.path.exists(marker):
-        raise SystemExit(f"--work_dir {args.work_dir} holds files this benchmark did not make; "
-                         "give a new or empty directory (it is deleted at the end)")
-    shutil.rmtree(args.work_dir, ignore_errors=True)
-    os.makedirs(args.work_dir)
-    open(marker, "w").close()
+    args.work_dir = fresh_work_dir(args.work_dir, ".qmoe_streaming_benchmark")
     started = time.time()
     checkpoint = write_t5x_checkpoint(os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1)
     checkpoint_bytes = directory_bytes(checkpoint)
