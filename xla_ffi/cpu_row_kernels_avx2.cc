@@ -2,7 +2,7 @@
 // qmoe_format.h): three or four scalar loads from the window of x at the
 // codeword gather them into one vector, duplicated into both halves, and one
 // fused multiply-add with its class's 0/1 weights adds plus weights to lanes
-// 0..3 and minus weights to lanes 4..7. The words of codewords a few steps
+// 0..3 and minus weights to lanes 4..7. The words of codewords 48 steps
 // ahead are prefetched: the 256 KB table outgrows L2, and its accesses are
 // random. Entries that overflow their word go through the masks, checked for
 // only when the dictionary has such entries.
