@@ -91,6 +91,28 @@ inline void EntryBits(const DictionaryView& dictionary, uint16_t code, uint32_t 
   *minus = entry[1] & within;
 }
 
+// For codewords that overflow the slots or the words: adds the window's
+// values at the codeword's plus and minus weights, read from its masks.
+inline void AddEntryFromMasks(const DictionaryView& dictionary, uint16_t code, uint32_t length,
+                              const float* window, float* plus_sum, float* minus_sum) {
+  uint32_t plus, minus;
+  EntryBits(dictionary, code, length, &plus, &minus);
+  for (; plus != 0; plus &= plus - 1) *plus_sum += window[__builtin_ctz(plus)];
+  for (; minus != 0; minus &= minus - 1) *minus_sum += window[__builtin_ctz(minus)];
+}
+
+// The same codewords for row_nonzeros: appends pos + the positions of their
+// plus and minus weights to the lists. Bits lie below `length`, so the lists
+// never outgrow pos + length.
+inline void ListEntryFromMasks(const DictionaryView& dictionary, uint16_t code, uint32_t length,
+                               int64_t pos, int32_t* plus_index, int64_t* plus_size,
+                               int32_t* minus_index, int64_t* minus_size) {
+  uint32_t plus, minus;
+  EntryBits(dictionary, code, length, &plus, &minus);
+  for (; plus != 0; plus &= plus - 1) plus_index[(*plus_size)++] = pos + __builtin_ctz(plus);
+  for (; minus != 0; minus &= minus - 1) minus_index[(*minus_size)++] = pos + __builtin_ctz(minus);
+}
+
 // Per word class (qmoe_format.h): lanes 0..3 weigh fields 0..3 as plus
 // weights (1 or 0), lanes 4..7 as minus weights; the overflow class and
 // classes past 5*4 + 4 weigh nothing. Counts are the plus and minus fields.

@@ -63,10 +63,8 @@ QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& r
       const uint32_t word = words[code];
       const float* window = x + pos;
       if (kOverflow && WordClass(word) == kWordOverflowClass) {
-        uint32_t plus, minus;
-        EntryBits(dictionary, code, WordLength(word), &plus, &minus);
-        for (; plus != 0; plus &= plus - 1) overflow_plus += window[__builtin_ctz(plus)];
-        for (; minus != 0; minus &= minus - 1) overflow_minus += window[__builtin_ctz(minus)];
+        AddEntryFromMasks(dictionary, code, WordLength(word), window, &overflow_plus,
+                          &overflow_minus);
       } else {
         const __m128 values = FieldValues<kFourth>(word, window);
         total = _mm256_fmadd_ps(_mm256_set_m128(values, values),

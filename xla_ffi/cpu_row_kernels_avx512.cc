@@ -44,10 +44,8 @@ QMOE_AVX512_INLINE void AddCode(const DictionaryView& dictionary, uint16_t code,
   const uint32_t length = meta & kSlotLengthMask;
   const float* window = x + state.pos;
   if (kOverflow && (meta & kSlotsOverflow)) {
-    uint32_t plus, minus;
-    EntryBits(dictionary, code, length, &plus, &minus);
-    for (; plus != 0; plus &= plus - 1) state.overflow_plus += window[__builtin_ctz(plus)];
-    for (; minus != 0; minus &= minus - 1) state.overflow_minus += window[__builtin_ctz(minus)];
+    AddEntryFromMasks(dictionary, code, length, window, &state.overflow_plus,
+                      &state.overflow_minus);
   } else {
     const __m512 low = _mm512_loadu_ps(window);
     const __m512 high = _mm512_maskz_loadu_ps(kWindowHighLanes, window + 16);
@@ -150,10 +148,8 @@ QMOE_AVX512 bool RowNonzerosWith(const DictionaryView& dictionary, const uint16_
     const uint32_t meta = slot[kSlotMetaByte];
     const uint32_t length = meta & kSlotLengthMask;
     if (kOverflow && (meta & kSlotsOverflow)) {
-      uint32_t plus, minus;
-      EntryBits(dictionary, codes[k], length, &plus, &minus);
-      for (; plus != 0; plus &= plus - 1) plus_index[plus_size++] = pos + __builtin_ctz(plus);
-      for (; minus != 0; minus &= minus - 1) minus_index[minus_size++] = pos + __builtin_ctz(minus);
+      ListEntryFromMasks(dictionary, codes[k], length, pos, plus_index, &plus_size, minus_index,
+                         &minus_size);
     } else {
       // Used slots come first in each half, so the positions store as they
       // are; garbage slots can only give wrong positions below pos + 32.

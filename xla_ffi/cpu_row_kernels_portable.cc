@@ -38,10 +38,8 @@ bool WordsRowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, i
     const uint32_t word = dictionary.words[codes[k]];
     const uint32_t kind = WordClass(word);
     if (dictionary.words_overflow && kind == kWordOverflowClass) {
-      uint32_t plus, minus;
-      EntryBits(dictionary, codes[k], WordLength(word), &plus, &minus);
-      for (; plus != 0; plus &= plus - 1) plus_index[plus_size++] = pos + __builtin_ctz(plus);
-      for (; minus != 0; minus &= minus - 1) minus_index[minus_size++] = pos + __builtin_ctz(minus);
+      ListEntryFromMasks(dictionary, codes[k], WordLength(word), pos, plus_index, &plus_size,
+                         minus_index, &minus_size);
     } else {
       // All four fields go to both lists, and the counts keep the ones that
       // belong: no branch per weight. Lists never outgrow pos + kWordFields,
@@ -76,10 +74,7 @@ bool RowDot(const DictionaryView& dictionary, const uint16_t* codes, int64_t cou
     const uint32_t kind = WordClass(word);
     const float* window = x + pos;
     if (dictionary.words_overflow && kind == kWordOverflowClass) {
-      uint32_t plus, minus;
-      EntryBits(dictionary, codes[k], WordLength(word), &plus, &minus);
-      for (; plus != 0; plus &= plus - 1) plus_total += window[__builtin_ctz(plus)];
-      for (; minus != 0; minus &= minus - 1) minus_total += window[__builtin_ctz(minus)];
+      AddEntryFromMasks(dictionary, codes[k], WordLength(word), window, &plus_total, &minus_total);
     } else {
       const float* weights = classes.weights[kind];
       for (int field = 0; field < kWordFields; ++field) {

@@ -126,7 +126,7 @@ def words_from_masks(masks: np.ndarray) -> np.ndarray:
         position = np.where(at.any(axis=1), np.argmax(at, axis=1), 0).astype(np.uint32)
         fields |= position << np.uint32(WORD_FIELD_BITS * field)
     overflow = plus_count + minus_count > WORD_FIELDS
-    kind = np.where(overflow, WORD_OVERFLOW_CLASS, 5 * plus_count + minus_count).astype(np.uint32)
+    kind = np.where(overflow, WORD_OVERFLOW_CLASS, (WORD_FIELDS + 1) * plus_count + minus_count).astype(np.uint32)
     length = 2 * (masks[:, 0] >> np.uint32(28))
     words = fields | (kind << np.uint32(WORD_CLASS_SHIFT)) | (length << np.uint32(WORD_LENGTH_SHIFT))
     words[0] |= np.uint32(WORDS_TABLE_OVERFLOWS if overflow.any() else 0)
