@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 
-from inference import cpu_model
+from machine import cpu_model
 from streaming import REPO, directory_bytes, fresh_work_dir, synthetic_params
 
 from qmoe_jax.checkpoints import path_shapes, write_t5x_checkpoint

@@ -32,7 +32,8 @@ import sys
 
 REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from inference import PEAK_WRAPPER, checkpoint_for, cpu_model  # noqa: E402
+from inference import PEAK_WRAPPER, checkpoint_for  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 GOALS = ("repair", "downstream", "cost")
 

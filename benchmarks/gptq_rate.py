@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from gptq_grouping import executed_flops, factor_seconds, matmul_rate, minimal_flops, synthetic_layer, timed
-from inference import cpu_model
+from machine import cpu_model
 
 from qmoe_jax.quant import GPTQConfig, GridConfig, grid_params, hessian, quantize_expert_group
 from qmoe_jax.quant.linalg import BASE_SIZE

@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from machine import cpu_model  # noqa: F401  (also imported from here by sibling benchmarks)
+from machine import cpu_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("bundled", "base-shaped", "base128-shaped")

@@ -56,7 +56,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernels_cpu import P0, dense_weights, encode_matrix, synthetic  # noqa: E402
+from kernels_cpu import P0, dense_weights, encode_matrix, side_by_side, synthetic  # noqa: E402
 from machine import cpu_model, last_level_cache, memory_bandwidth  # noqa: E402
 
 from qmoe_jax import ops  # noqa: E402
@@ -81,21 +81,6 @@ def expert_set(rng, dictionary, experts: int, rows: int, cols: int):
         compressed.append(encode_matrix(codes, minmax, dictionary))
         dense.append(dense_weights(codes, minmax))
     return compressed, np.stack(dense)
-
-
-def timed_rounds(candidates: dict, repeats: int, seed: int) -> dict:
-    """Median and min seconds of each candidate (a callable that runs and waits), in shuffled turns."""
-    for run in candidates.values():
-        run()
-    samples = {name: [] for name in candidates}
-    order = np.random.default_rng(seed)
-    for _ in range(repeats):
-        for name in order.permutation(list(candidates)):
-            started = time.perf_counter()
-            candidates[name]()
-            samples[name].append(time.perf_counter() - started)
-    return {name: {"median_s": float(np.median(t)), "min_s": float(np.min(t))}
-            for name, t in samples.items()}
 
 
 def over_experts(fn, weights: list, x) -> callable:
@@ -123,27 +108,27 @@ def bench_matrix(rng, dictionary, rows, cols, cache, bandwidth, repeats, minimum
     tiny = [jnp.zeros(1)] * experts
     error = max(float(jnp.abs(kernel_matvec(m, x) - dot(d, x)).max()) for m, d in zip(w, dense_f32))
 
-    times = timed_rounds({
+    times = side_by_side({
         "kernel_f32": over_experts(kernel_matvec, w, x),
         "dense_f32": over_experts(dot, dense_f32, x),
         "kernel_16": over_experts(kernel_matmul, w, xs),
         "dense_f32_16": over_experts(dense_matmul, dense_f32, xs),
         "dispatch_floor": over_experts(floor, tiny, jnp.zeros(1)),
-    }, repeats, seed=rows)
+    }, repeats)
     # XLA:CPU's bfloat16 dots are slow and compute-bound; whatever runs right
     # after one measurably slows down (see the module docstring), so they take
     # turns only with the kernel's bf16 call, in rounds of their own.
-    times |= timed_rounds({
+    times |= side_by_side({
         "kernel_bf16": over_experts(kernel_matvec, w, x.astype(jnp.bfloat16)),
         "dense_bf16": over_experts(dot, dense_bf16, x.astype(jnp.bfloat16)),
-    }, repeats, seed=rows + 1)
-    per_expert = {name: {key: value / experts for key, value in t.items()} for name, t in times.items()}
-    hot = timed_rounds({
+    }, repeats)
+    per_expert = {name: {key: value / experts for key, value in t.items()} for name, t in times.items()}  # ms
+    hot = side_by_side({
         "kernel_f32": lambda: kernel_matvec(w[0], x).block_until_ready(),
         "dense_f32": lambda: dot(dense_f32[0], x).block_until_ready(),
-    }, repeats * 4, seed=cols)
+    }, repeats * 4)
     codewords = int(np.asarray(compressed[0].row_offsets)[-1])
-    kernel_s = per_expert["kernel_f32"]["median_s"]
+    kernel_s = per_expert["kernel_f32"]["median_ms"] / 1e3
     return {
         "rows": rows, "cols": cols, "experts": experts,
         "rotation_dense_f32_bytes": experts * matrix_bytes,
@@ -154,7 +139,7 @@ def bench_matrix(rng, dictionary, rows, cols, cache, bandwidth, repeats, minimum
         "hot": hot,
         "kernel_codewords_per_s": codewords / kernel_s,
         "kernel_code_gb_s": 2 * codewords / kernel_s / 1e9,
-        "dense_f32_gb_s": matrix_bytes / per_expert["dense_f32"]["median_s"] / 1e9,
+        "dense_f32_gb_s": matrix_bytes / per_expert["dense_f32"]["median_ms"] / 1e6,
         "dense_f32_memory_bound_s": matrix_bytes / (bandwidth["dot_read_gb_s"] * 1e9),
     }
 
@@ -179,14 +164,14 @@ def bench_layer(rng, dictionary, d_model, d_ff, repeats):
         return jnp.einsum("ecj,erj->ecr", h, wo)
 
     error = float(jnp.abs(kernel_step(wi, wo, x) - dense_step(*dense["f32"], x)).max())
-    times = timed_rounds({
+    times = side_by_side({
         "kernel_f32": lambda: kernel_step(wi, wo, x).block_until_ready(),
         "dense_f32": lambda: dense_step(*dense["f32"], x).block_until_ready(),
-    }, repeats, seed=d_ff)
-    bf16 = timed_rounds({  # rounds of their own, as in bench_matrix
+    }, repeats)
+    bf16 = side_by_side({  # rounds of their own, as in bench_matrix
         "kernel_f32": lambda: kernel_step(wi, wo, x).block_until_ready(),
         "dense_bf16": lambda: dense_step(*dense["bf16"], x).block_until_ready(),
-    }, max(3, repeats // 3), seed=d_ff + 1)
+    }, max(3, repeats // 3))
     times["dense_bf16"] = bf16["dense_bf16"]
     times["kernel_f32_in_bf16_rounds"] = bf16["kernel_f32"]
     return {"d_model": d_model, "d_ff": d_ff, "experts": LAYER_EXPERTS, "tokens": LAYER_EXPERTS,
@@ -288,8 +273,8 @@ def print_tables(matrices: list, layers: dict) -> dict:
           f"{'mem-bound ms':>12} | {'dispatch':>8}")
     criteria = {}
     for r in matrices:
-        t = {name: v["median_s"] * 1e3 for name, v in r["per_expert"].items()}
-        hot = r["hot"]["kernel_f32"]["median_s"] / r["hot"]["dense_f32"]["median_s"]
+        t = {name: v["median_ms"] for name, v in r["per_expert"].items()}
+        hot = r["hot"]["kernel_f32"]["median_ms"] / r["hot"]["dense_f32"]["median_ms"]
         ratio = t["kernel_f32"] / t["dense_f32"]
         name = f"{r['rows']}x{r['cols']}"
         criteria[f"{name}_matvec_rotating_vs_dense_f32"] = ratio
@@ -302,7 +287,7 @@ def print_tables(matrices: list, layers: dict) -> dict:
               f"{r['dense_f32_memory_bound_s'] * 1e3:12.3f} | {t['dispatch_floor']:8.3f}")
     print(f"== sparse layer step: {LAYER_EXPERTS} experts, one token each (wi, relu, wo); ms, medians ==")
     for model, layer in layers.items():
-        t = {name: v["median_s"] * 1e3 for name, v in layer["times"].items()}
+        t = {name: v["median_ms"] for name, v in layer["times"].items()}
         ratio = t["kernel_f32"] / t["dense_f32"]
         criteria[f"{model}_layer_step_vs_dense_f32"] = ratio
         print(f"{model:>12} (d_model {layer['d_model']}, d_ff {layer['d_ff']}): kernel {t['kernel_f32']:.3f}, "

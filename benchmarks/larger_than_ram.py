@@ -60,7 +60,8 @@ P0 = 0.885
 GIB = 2**30
 
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from inference import cpu_model, random_dense  # noqa: E402  (the inference benchmark's synthetic parameters)
+from inference import random_dense  # noqa: E402  (the inference benchmark's synthetic parameters)
+from machine import cpu_model  # noqa: E402
 
 
 def mem_total() -> int:
