@@ -7,6 +7,8 @@ bundled corpus's validation span-corruption loss (nats/token), computed by
 
     python benchmarks/quality.py            # 1× = 1024 calibration samples
     python benchmarks/quality.py --quick    # 1× = 128 samples, 256 validation examples
+    python benchmarks/quality.py --methods rtn,gptq --amounts 1   # a subset of the rows/columns,
+                                            # e.g. to compare two revisions of the solver
 """
 
 from __future__ import annotations
@@ -54,7 +56,17 @@ def main() -> None:
                         help="keep the compressed checkpoints here (a fresh directory per run; "
                              "default: a temporary directory, removed at the end)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
+    parser.add_argument("--grids", default="ternary,2bit", help="comma-separated subset of ternary,2bit")
+    parser.add_argument("--amounts", default=",".join(map(str, AMOUNTS)),
+                        help="calibration amounts (multiples of --num_samples) for the GPTQ methods")
+    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "quality.json"))
     args = parser.parse_args()
+    args.methods, args.grids = args.methods.split(","), args.grids.split(",")
+    args.amounts = tuple(float(amount) for amount in args.amounts.split(","))
+    unknown = [m for m in args.methods if m not in METHODS] + [g for g in args.grids if g not in ("ternary", "2bit")]
+    if unknown:
+        parser.error(f"unknown --methods/--grids entries {unknown}; methods are {list(METHODS)}, grids ternary, 2bit")
     if args.quick:
         args.num_samples, args.validation_samples = 128, 256
 
@@ -92,9 +104,9 @@ def run_all(args, work_dir: str) -> None:
     results: dict = {"bf16": loss_of(bf16_params), "bf16_split": split_losses(bf16_params), "runs": []}
     del bf16_params
     print(f"bf16: {results['bf16']:.4f} on {len(examples)} validation examples", flush=True)
-    runs = [("rtn", grid, None) for grid in ("ternary", "2bit")]
-    runs += [(method, grid, amount) for method in GPTQ_METHODS for grid in ("ternary", "2bit")
-             for amount in AMOUNTS]
+    runs = [("rtn", grid, None) for grid in args.grids if "rtn" in args.methods]
+    runs += [(method, grid, amount) for method in GPTQ_METHODS if method in args.methods for grid in args.grids
+             for amount in args.amounts]
     for method, grid, amount in runs:
         samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
         name = f"{grid}-{method.replace(' ', '-')}" + ("" if amount is None else f"-{amount}x")
@@ -126,25 +138,28 @@ def run_all(args, work_dir: str) -> None:
                 return f"{run['loss']:.4f}"
         return "-"
 
-    header = f"{'':<24}" + "".join(f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in AMOUNTS)
-    lines = [header, f"{'bf16':<24}" + f"{results['bf16']:>16.4f}" * len(AMOUNTS)]
-    for grid in ("ternary", "2bit"):
-        for method in METHODS:
-            lines.append(f"{grid + ' ' + method:<24}" + "".join(f"{cell(method, grid, a):>16}" for a in AMOUNTS))
+    header = f"{'':<24}" + "".join(f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in args.amounts)
+    lines = [header, f"{'bf16':<24}" + f"{results['bf16']:>16.4f}" * len(args.amounts)]
+    for grid in args.grids:
+        for method in args.methods:
+            lines.append(f"{grid + ' ' + method:<24}" + "".join(f"{cell(method, grid, a):>16}" for a in args.amounts))
     lines.append("paper (C4 loss, full calibration):")
     for model_name, rows in PAPER.items():
         lines.append("  " + model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items()))
-    ternary_rtn = next(r for r in results["runs"] if r["method"] == "rtn" and r["grid"] == "ternary")
+    ternary_rtn = next((r for r in results["runs"] if r["method"] == "rtn" and r["grid"] == "ternary"), None)
     for method in GPTQ_METHODS:
-        ternary = next(r for r in results["runs"]
-                       if r["method"] == method and r["grid"] == "ternary" and r["amount"] == 1.0)
+        ternary = next((r for r in results["runs"]
+                        if r["method"] == method and r["grid"] == "ternary" and r["amount"] == 1.0), None)
+        if ternary is None or ternary_rtn is None:
+            continue  # the ratio needs both rows
         ratio = ternary["increase"] / ternary_rtn["increase"]
         results[f"ternary_{method.replace(' ', '_')}_over_rtn_increase"] = ratio
         lines.append(f"ternary {method} increase / RTN increase at 1x: {ratio:.3f} (goal <= 0.25)")
     print("\n".join(lines))
-    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(REPO, "benchmarks", "results", "quality.json"), "w") as f:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
