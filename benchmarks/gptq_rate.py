@@ -18,9 +18,10 @@ after), on two FLOP counts:
     with the fori_loop variant.
 The time split: the Cholesky (`hessian_factor` alone, jitted the same way) and the
 column sweep (the rest); the sweep's parts are also timed alone at the first token count
-(outer lazy updates; inner levels: 16-column sub-blocks and single columns). The recursive Cholesky (quant/linalg.py) executes more than
-cols^3/3: it also forms the inverses of the leading blocks; its executed count is
-printed beside it.
+(outer lazy updates; inner levels: 16-column sub-blocks and single columns). The
+Cholesky (quant/linalg.py, blockwise left-looking) executes a little more than
+cols^3/3 (full matmuls on its diagonal blocks, their inverses for the solves); its
+executed count is printed beside it.
 
 The token count changes only the Hessian H = XᵀX, not the solver's work. Accumulating
 it (2·tokens·cols^2 FLOPs, one matmul, `quant.hessian`) is timed and reported on its
@@ -70,15 +71,16 @@ def parse_args():
     return args
 
 
-def cholesky_executed_flops(size: int, with_inverse: bool = False) -> float:
-    """FLOPs quant/linalg.py's recursive Cholesky executes on [size, size] (its matmuls are full, not triangular)."""
-    if size <= BASE_SIZE:
-        return 4.0 * size**3  # per column: a matvec with L and one with L⁻¹, both full width
-    half = BASE_SIZE * -(-size // (2 * BASE_SIZE))
-    rest = size - half
-    flops = (cholesky_executed_flops(half, True) + cholesky_executed_flops(rest, with_inverse)
-             + 2.0 * rest * half * half + 2.0 * rest * rest * half)
-    return flops + (2.0 * rest * half * half + 2.0 * rest * rest * half if with_inverse else 0.0)
+def cholesky_executed_flops(size: int) -> float:
+    """FLOPs quant/linalg.py's blockwise left-looking Cholesky executes on [size, size]: per block of columns
+    s:e, the update of rows s: from columns :s, the diagonal block's factor and inverse, the solve below it."""
+    flops = 0.0
+    for start in range(0, size, BASE_SIZE):
+        width = min(BASE_SIZE, size - start)
+        flops += 2.0 * (size - start) * start * width  # P = A[s:, s:e] − L[s:, :s]·L[s:e, :s]ᵀ
+        flops += 4.0 * width**3  # per column a matvec with L and one with L⁻¹, both full width
+        flops += 2.0 * (size - start - width) * width * width  # P[e−s:]·L[s:e, s:e]⁻ᵀ
+    return flops
 
 
 def hessian_seconds(tokens: int, cols: int, repeats: int, seed: int) -> float:

@@ -39,7 +39,7 @@ def test_cholesky_reads_only_the_lower_triangle():
 
 def test_vmapped_cholesky_is_batch_invariant():
     """Each matrix gets the same bits alone, in a batch of 3 and in a batch of 8 (what sharding relies on)."""
-    matrices = np.stack([spd_matrix(BASE_SIZE + 22, seed) for seed in range(8)])  # a base block and a split
+    matrices = np.stack([spd_matrix(2 * BASE_SIZE + 22, seed) for seed in range(8)])  # three blocks
     batch_of_8 = np.asarray(batched_cholesky(matrices))
     batches_of_3 = np.concatenate([np.asarray(batched_cholesky(matrices[i : i + 3])) for i in range(0, 8, 3)])
     alone = np.stack([np.asarray(cholesky_jit(m)) for m in matrices])

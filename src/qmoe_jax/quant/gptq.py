@@ -20,8 +20,14 @@ is rounded) satisfy W − Q = E·U, so E = (W − Q)·R and
 which is what ``_sweep`` computes, blockwise: one Cholesky instead of GPTQ's
 Cholesky, inverse and second Cholesky, and the same lazy block updates with
 S and the residuals D = W − Q in place of U and E. Blocks nest (B = 128, then
-sub-blocks of 16, then single columns) so the per-column updates stay in cache;
-the result does not depend on the block sizes beyond float rounding.
+sub-blocks of 16, then single columns) so the per-column work stays in cache;
+the result does not depend on the block sizes beyond float rounding. The
+block levels push their corrections forward (right-looking: after a block,
+one matmul adds its residuals' share to the later columns); the column level
+pulls them (left-looking): column k of a sub-block reads the residuals of the
+sub-block's earlier columns in one product S[:, k]ᵀ·D_sub (the rows of D_sub
+from k on are still zero), so each step writes one row of residuals instead
+of updating the whole sub-block's corrections (about 20% faster on CPU).
 
 The outer blocks run unrolled by default (``GPTQConfig.unroll_blocks``): each
 block's lazy update is one matmul onto the later columns only, S[block, later]ᵀ·D,
@@ -116,18 +122,36 @@ def hessian_factor(hessian: jax.Array) -> jax.Array:
     return cholesky(hessian[::-1, ::-1])[::-1, ::-1]
 
 
+def _columns(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig):
+    """The column level of ``_sweep`` on a sub-block Wᵀ[m, rows]: columns one by one, each target
+    w_k + c_k + Σ_{j<k} D_j·S_jk read as one product with the residuals so far (left-looking)."""
+
+    def quantize_column(k, state):
+        residuals_t, codes_t, squared_errors = state
+        weights_k = lax.dynamic_index_in_dim(weights_t, k, keepdims=False)
+        earlier = jnp.matmul(lax.dynamic_index_in_dim(scaled, k, axis=1, keepdims=False), residuals_t,
+                             precision=_HIGHEST)  # S[:, k]ᵀ·D: rows of D from k on are still zero
+        target = weights_k + lax.dynamic_index_in_dim(corrections_t, k, keepdims=False) + earlier
+        dequantized, codes = quantize(target, params, grid)
+        error = (target - dequantized) * factor_diag[k]
+        residuals_t = lax.dynamic_update_index_in_dim(residuals_t, weights_k - dequantized, k, 0)
+        codes_t = lax.dynamic_update_index_in_dim(codes_t, codes, k, 0)
+        return residuals_t, codes_t, squared_errors + error * error
+
+    state = (jnp.zeros_like(weights_t), jnp.zeros(weights_t.shape, jnp.uint8), jnp.zeros_like(weights_t[0]))
+    return lax.fori_loop(0, weights_t.shape[0], quantize_column, state)
+
+
 def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
-    """Quantize the columns of Wᵀ[n, rows] in order, in nested blocks of ``block_sizes`` (n divisible by the first).
+    """Quantize the columns of Wᵀ[n, rows] in order, in nested blocks of ``block_sizes`` (n divisible by the first;
+    the last is 1, the column level).
 
     ``corrections_t`` holds Σ_{j<k} D_j·S_jk from columns before this block; returns
     (residuals D = w − q [n, rows], codes uint8[n, rows], squared errors summed per row [rows]: twice the
     proxy loss of each row, which the caller sums in a fixed order).
     """
-    if not block_sizes:
-        target = weights_t[0] + corrections_t[0]
-        dequantized, codes = quantize(target, params, grid)
-        error = (target - dequantized) * factor_diag[0]
-        return (weights_t[0] - dequantized)[None], codes[None], error * error
+    if block_sizes == (1,):
+        return _columns(weights_t, corrections_t, scaled, factor_diag, params, grid)
     size, inner_sizes = block_sizes[0], block_sizes[1:]
 
     def quantize_block(b, state):
@@ -151,7 +175,7 @@ def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConf
 def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
     """``_sweep`` from zero corrections with its outer block loop unrolled: block b's lazy update is
     S[b, later]ᵀ·D_b onto the later columns only (static shapes per block), the inner levels ``_sweep``'s."""
-    size, inner_sizes = block_sizes[0], block_sizes[1:]
+    size, inner_sizes = block_sizes[0], block_sizes[1:] or (1,)  # block_size 1: each block is one column
     cols = weights_t.shape[0]
     corrections_t = jnp.zeros_like(weights_t)
     residuals, codes, squared_errors = [], [], jnp.zeros_like(weights_t[0])
@@ -206,11 +230,12 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     weights = jnp.where(ok & dead[None, :], 0.0, weights)
 
     padding = -cols % config.block_size
-    is_padding = jnp.arange(cols + padding) >= cols
-    factor = jnp.pad(factor, ((0, padding), (0, padding))) + jnp.diag(is_padding.astype(jnp.float32))
+    if padding:  # padded columns: R = identity there (no pass over a full-size matrix when there are none)
+        padded = jnp.arange(cols, cols + padding)
+        factor = jnp.pad(factor, ((0, padding), (0, padding))).at[padded, padded].set(1.0)
     factor_diag = jnp.diagonal(factor)
     scaled = factor * (1 / factor_diag)[None, :]  # S = R_jk / R_kk, multiplied as in linalg.py (batch-invariant)
-    weights_t = jnp.pad(weights.T, ((0, padding), (0, 0)))
+    weights_t = jnp.pad(weights.T, ((0, padding), (0, 0))) if padding else weights.T
     if config.unroll_blocks:
         _, codes_t, squared_errors = _sweep_unrolled(weights_t, scaled, factor_diag, params, grid, config.block_sizes)
     else:
