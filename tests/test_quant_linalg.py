@@ -5,10 +5,19 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from qmoe_jax.quant.linalg import BASE_SIZE, cholesky, exact_product, pairwise_sum
+from qmoe_jax.quant.linalg import BASE_SIZE, cholesky, exact_product, pairwise_sum, reversed_cholesky
 
-cholesky_jit = jax.jit(cholesky)
-batched_cholesky = jax.jit(jax.vmap(cholesky))
+
+def _reversed_as_lower(factor):
+    """reversed_cholesky seen as a lower Cholesky: J·R(J·A·J)·J is the L of A (J reverses rows or columns), with
+    the same failure columns, batch behaviour and triangle read, so every test below runs on both."""
+    return lambda matrices: factor(np.asarray(matrices)[..., ::-1, ::-1])[..., ::-1, ::-1]
+
+
+FACTORS = {"cholesky": jax.jit(cholesky), "reversed_cholesky": _reversed_as_lower(jax.jit(reversed_cholesky))}
+BATCHED = {"cholesky": jax.jit(jax.vmap(cholesky)),
+           "reversed_cholesky": _reversed_as_lower(jax.jit(jax.vmap(reversed_cholesky)))}
+factors = pytest.mark.parametrize("name", list(FACTORS))
 
 
 def spd_matrix(size: int, seed: int = 0) -> np.ndarray:
@@ -19,10 +28,11 @@ def spd_matrix(size: int, seed: int = 0) -> np.ndarray:
     return (gram + 0.1 * np.mean(np.diag(gram)) * np.eye(size)).astype(np.float32)
 
 
+@factors
 @pytest.mark.parametrize("size", [1, 7, BASE_SIZE, BASE_SIZE + 1, 300, 600])
-def test_cholesky_matches_float64_lapack(size):
+def test_cholesky_matches_float64_lapack(name, size):
     matrix = spd_matrix(size, seed=size)
-    lower = np.asarray(cholesky_jit(matrix), np.float64)
+    lower = np.asarray(FACTORS[name](matrix), np.float64)
     reference = np.linalg.cholesky(matrix.astype(np.float64))
     np.testing.assert_array_equal(np.triu(lower, 1), 0.0)
     # float32 LAPACK (jnp.linalg.cholesky) is off by ~1e-6 relative here; allow 10× that
@@ -31,40 +41,44 @@ def test_cholesky_matches_float64_lapack(size):
     assert np.abs(reconstructed - matrix).max() <= 1e-5 * np.abs(matrix).max()
 
 
-def test_cholesky_reads_only_the_lower_triangle():
+@factors
+def test_cholesky_reads_only_the_lower_triangle(name):  # reversed_cholesky: the upper one
     matrix = spd_matrix(200)
     scrambled = np.tril(matrix) + np.triu(np.full_like(matrix, np.nan), 1)
-    np.testing.assert_array_equal(np.asarray(cholesky_jit(scrambled)), np.asarray(cholesky_jit(matrix)))
+    np.testing.assert_array_equal(np.asarray(FACTORS[name](scrambled)), np.asarray(FACTORS[name](matrix)))
 
 
-def test_vmapped_cholesky_is_batch_invariant():
+@factors
+def test_vmapped_cholesky_is_batch_invariant(name):
     """Each matrix gets the same bits alone, in a batch of 3 and in a batch of 8 (what sharding relies on)."""
     matrices = np.stack([spd_matrix(2 * BASE_SIZE + 22, seed) for seed in range(8)])  # three blocks
-    batch_of_8 = np.asarray(batched_cholesky(matrices))
-    batches_of_3 = np.concatenate([np.asarray(batched_cholesky(matrices[i : i + 3])) for i in range(0, 8, 3)])
-    alone = np.stack([np.asarray(cholesky_jit(m)) for m in matrices])
+    batch_of_8 = np.asarray(BATCHED[name](matrices))
+    batches_of_3 = np.concatenate([np.asarray(BATCHED[name](matrices[i : i + 3])) for i in range(0, 8, 3)])
+    alone = np.stack([np.asarray(FACTORS[name](m)) for m in matrices])
     np.testing.assert_array_equal(batch_of_8, batches_of_3)
     np.testing.assert_array_equal(batch_of_8, alone)
 
 
+@factors
 @pytest.mark.parametrize("failing_column", [0, BASE_SIZE - 1, BASE_SIZE, 299])
-def test_not_positive_definite_gives_nans_from_the_failing_column_on(failing_column):
+def test_not_positive_definite_gives_nans_from_the_failing_column_on(name, failing_column):
     matrix = spd_matrix(300)
     matrix[failing_column, failing_column] = -1.0
-    lower = np.asarray(cholesky_jit(matrix))
+    lower = np.asarray(FACTORS[name](matrix))
     on_and_below = np.tril(np.ones_like(lower, bool))
     assert np.isfinite(lower[:, :failing_column]).all()
     assert np.isnan(lower[:, failing_column:][on_and_below[:, failing_column:]]).all()
 
 
-def test_failures_stay_inside_their_batch_item():
+@factors
+def test_failures_stay_inside_their_batch_item(name):
     good = spd_matrix(150)
     rotation, _ = np.linalg.qr(np.random.default_rng(1).normal(size=(150, 150)))
     indefinite = (rotation * np.r_[np.ones(149), -1.0]) @ rotation.T  # one negative eigenvalue, nothing on the diagonal
     batch = np.stack([good, indefinite, np.zeros_like(good), np.full_like(good, np.nan), good]).astype(np.float32)
-    lower = np.asarray(batched_cholesky(batch))
+    lower = np.asarray(BATCHED[name](batch))
     assert [bool(np.isfinite(item).all()) for item in lower] == [True, False, False, False, True]
-    np.testing.assert_array_equal(lower[0], np.asarray(cholesky_jit(good)))
+    np.testing.assert_array_equal(lower[0], np.asarray(FACTORS[name](good)))
 
 
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 128, 513])
@@ -89,6 +103,7 @@ def test_exact_product_is_exact_so_an_fma_cannot_change_a_later_sum():
     np.testing.assert_allclose(product, a.astype(np.float64) * b, rtol=2**-10)
 
 
-def test_cholesky_rejects_batches():
+@pytest.mark.parametrize("factor", [cholesky, reversed_cholesky])
+def test_cholesky_rejects_batches(factor):
     with pytest.raises(ValueError, match="vmap it for a batch"):
-        cholesky(jnp.zeros((2, 3, 3)))
+        factor(jnp.zeros((2, 3, 3)))

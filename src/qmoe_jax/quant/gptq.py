@@ -56,7 +56,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qmoe_jax.quant.grids import GridConfig, grid_params, quantize
-from qmoe_jax.quant.linalg import cholesky, exact_product, pairwise_sum
+from qmoe_jax.quant.linalg import exact_product, pairwise_sum, reversed_cholesky
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -119,7 +119,7 @@ def hessian_factor(hessian: jax.Array) -> jax.Array:
     U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself. The Cholesky is linalg.py's, in plain lax:
     jaxlib's batched LAPACK kernels can deadlock when several host devices run them at once.
     """
-    return cholesky(hessian[::-1, ::-1])[::-1, ::-1]
+    return reversed_cholesky(hessian)
 
 
 def _columns(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig):

@@ -74,30 +74,57 @@ def _base_factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lax.fori_loop(0, size, step, (jnp.zeros_like(matrix), jnp.zeros_like(matrix)))
 
 
-def _factor(matrix: jax.Array) -> jax.Array:
-    """L, blockwise and left-looking (module docstring); every block's shapes are static."""
+def _factor(matrix: jax.Array, from_end: bool) -> jax.Array:
+    """L (module docstring), or with ``from_end`` R = J·chol(J·A·J)·J (J reverses the order of rows or columns)
+    without reversing A or the result: the same steps on blocks taken from the last columns back, each index i
+    of the reversed problem being n − 1 − i here, so R is upper triangular and A = R·Rᵀ. Every block's shapes
+    are static."""
     size = matrix.shape[-1]
+    flip = (lambda block: block[::-1, ::-1]) if from_end else (lambda block: block)  # only BASE_SIZE blocks
     if size <= BASE_SIZE:  # one block (also keeps XLA's simplifier off an update of zeros that it cannot rewrite)
-        return _base_factor(matrix)[0]
-    lower = jnp.zeros_like(matrix)
-    for start in range(0, size, BASE_SIZE):
-        stop = min(start + BASE_SIZE, size)
-        panel = matrix[start:, start:stop]
-        if start:
-            panel = panel - _matmul(lower[start:, :start], lower[start:stop, :start].T)
-        block, block_inverse = _base_factor(panel[: stop - start])
-        lower = lower.at[start:stop, start:stop].set(block)
-        if stop < size:
-            lower = lower.at[stop:, start:stop].set(_matmul(panel[stop - start :], block_inverse.T))
-    return lower
+        return flip(_base_factor(flip(matrix))[0])
+    factor = jnp.zeros_like(matrix)
+    for done in range(0, size, BASE_SIZE):
+        width = min(BASE_SIZE, size - done)
+        if from_end:  # block columns start:stop, done = the columns after them, rest = the rows before them
+            start, stop = size - done - width, size - done
+            panel = matrix[:stop, start:stop]
+            if done:
+                panel = panel - _matmul(factor[:stop, stop:], factor[start:stop, stop:].T)
+            block, block_inverse = (flip(part) for part in _base_factor(flip(panel[start:])))
+            rest, solve = slice(0, start), panel[:start]
+        else:  # block columns start:stop, done = the columns before them, rest = the rows after them
+            start, stop = done, done + width
+            panel = matrix[start:, start:stop]
+            if done:
+                panel = panel - _matmul(factor[start:, :start], factor[start:stop, :start].T)
+            block, block_inverse = _base_factor(panel[:width])
+            rest, solve = slice(stop, size), panel[width:]
+        factor = factor.at[start:stop, start:stop].set(block)
+        if done + width < size:
+            factor = factor.at[rest, start:stop].set(_matmul(solve, block_inverse.T))
+    return factor
 
 
 def cholesky(matrix: jax.Array) -> jax.Array:
     """Lower Cholesky factor L of an SPD matrix A[n, n] (A = L·Lᵀ), reading only A's lower triangle;
     NaNs from the first failing column on where A is not positive definite."""
+    _check_square(matrix, "cholesky")
+    return _factor(matrix, from_end=False)
+
+
+def reversed_cholesky(matrix: jax.Array) -> jax.Array:
+    """Upper triangular R with A = R·Rᵀ for an SPD matrix A[n, n]: the Cholesky factor of A with the order of
+    rows and columns reversed (``cholesky(A[::-1, ::-1])[::-1, ::-1]`` up to float rounding), reading only A's
+    upper triangle; where A is not positive definite, NaNs from the last failing column back (the factor
+    runs from the last column to the first)."""
+    _check_square(matrix, "reversed_cholesky")
+    return _factor(matrix, from_end=True)
+
+
+def _check_square(matrix: jax.Array, name: str) -> None:
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"cholesky expects one square matrix [n, n] (vmap it for a batch); got {matrix.shape}")
-    return _factor(matrix)
+        raise ValueError(f"{name} expects one square matrix [n, n] (vmap it for a batch); got {matrix.shape}")
 
 
 def pairwise_sum(values: jax.Array) -> jax.Array:
