@@ -81,7 +81,7 @@ def _factor(matrix: jax.Array, from_end: bool) -> jax.Array:
     are static."""
     size = matrix.shape[-1]
     flip = (lambda block: block[::-1, ::-1]) if from_end else (lambda block: block)  # only BASE_SIZE blocks
-    if size <= BASE_SIZE:  # one block (also keeps XLA's simplifier off an update of zeros that it cannot rewrite)
+    if size <= BASE_SIZE:  # one block; not an update of zeros: XLA's simplifier aborted on reversing that
         return flip(_base_factor(flip(matrix))[0])
     factor = jnp.zeros_like(matrix)
     for done in range(0, size, BASE_SIZE):
@@ -116,8 +116,8 @@ def cholesky(matrix: jax.Array) -> jax.Array:
 def reversed_cholesky(matrix: jax.Array) -> jax.Array:
     """Upper triangular R with A = R·Rᵀ for an SPD matrix A[n, n]: the Cholesky factor of A with the order of
     rows and columns reversed (``cholesky(A[::-1, ::-1])[::-1, ::-1]`` up to float rounding), reading only A's
-    upper triangle; where A is not positive definite, NaNs from the last failing column back (the factor
-    runs from the last column to the first)."""
+    upper triangle. It runs from the last column to the first, so where A is not positive definite, the first
+    failing column met that way and every column before it are NaN on and above the diagonal."""
     _check_square(matrix, "reversed_cholesky")
     return _factor(matrix, from_end=True)
 
