@@ -24,12 +24,15 @@ every block level, 2·rows·np·(np + 128 + 16) with a fori_loop over the outer 
 (full-width updates: the upper-triangular structure makes about half of the top
 level's products zeros), rows·np·(np − 128) + 2·rows·np·(128 + 16) with the default
 unrolled outer blocks (GPTQConfig.unroll_blocks: trailing columns only). The
-minimal count (cols^3/3 + rows·cols^2) is reported beside it.
+blockwise Cholesky executes somewhat more than cols^3/3 (11.3 against 9.8 GFLOP at
+cols = 3072; benchmarks/gptq_rate.py counts it exactly). The minimal count
+(cols^3/3 + rows·cols^2) is reported beside it.
 
-The LAPACK calls under the Cholesky (jaxlib's CPU kernels, through scipy's OpenBLAS)
-run with OPENBLAS_NUM_THREADS=1 unless the environment sets it: OpenBLAS's own thread
-pool, next to XLA's, collapses when the cores are oversubscribed (measured here at load
-~12: four 1024x1024 factorizations 5.4 s with the default threads, 0.05 s with one).
+The solver calls no LAPACK (quant/linalg.py's Cholesky is plain lax). OpenBLAS, which
+numpy may use for the synthetic data, still runs with OPENBLAS_NUM_THREADS=1 unless the
+environment sets it: its own thread pool, next to XLA's, collapsed when the cores were
+oversubscribed (measured here at load ~12, when the Cholesky still went through LAPACK:
+four 1024x1024 factorizations 5.4 s with the default threads, 0.05 s with one).
 
     python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072]
 """
