@@ -63,7 +63,12 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "quality.json"))
     args = parser.parse_args()
     args.methods, args.grids = args.methods.split(","), args.grids.split(",")
-    args.amounts = tuple(float(amount) for amount in args.amounts.split(","))
+    try:
+        args.amounts = tuple(float(amount) for amount in args.amounts.split(","))
+    except ValueError:
+        parser.error(f"--amounts takes comma-separated numbers (multiples of --num_samples), got {args.amounts!r}")
+    if any(amount <= 0 for amount in args.amounts):
+        parser.error(f"--amounts must be positive, got {args.amounts}")
     unknown = [m for m in args.methods if m not in METHODS] + [g for g in args.grids if g not in ("ternary", "2bit")]
     if unknown:
         parser.error(f"unknown --methods/--grids entries {unknown}; methods are {list(METHODS)}, grids ternary, 2bit")
