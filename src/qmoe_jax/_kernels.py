@@ -70,6 +70,15 @@ def cpu_isas() -> list[str]:
     return list(_qmoe_ext.cpu_isas())
 
 
+def _weight_bits(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(plus bool[65536, 28], minus bool[65536, 28], length in weights uint32[65536]) of ``Dictionary.masks``."""
+    masks = np.asarray(masks, np.uint32)
+    weight_bits = np.arange(28, dtype=np.uint32)
+    plus = ((masks[:, 0, None] >> weight_bits) & 1).astype(bool)
+    minus = ((masks[:, 1, None] >> weight_bits) & 1).astype(bool)
+    return plus, minus, 2 * (masks[:, 0] >> np.uint32(28))
+
+
 def _first_set_bits(bits: np.ndarray, slots: int) -> tuple[np.ndarray, np.ndarray]:
     """Positions of the first `slots` set bits of each row (then UNUSED_SLOT), and counts."""
     count = bits.sum(axis=1)
@@ -87,14 +96,10 @@ def slots_from_masks(masks: np.ndarray) -> np.ndarray:
       uint8[65536, 16]: plus positions, minus positions, then the entry length
       and flags (entry 0 also flags whether any entry overflows).
     """
-    masks = np.asarray(masks, np.uint32)
-    weight_bits = np.arange(28, dtype=np.uint32)
-    plus = ((masks[:, 0, None] >> weight_bits) & 1).astype(bool)
-    minus = ((masks[:, 1, None] >> weight_bits) & 1).astype(bool)
+    plus, minus, length = _weight_bits(masks)
     plus_slots, plus_count = _first_set_bits(plus, PLUS_SLOTS)
     minus_slots, minus_count = _first_set_bits(minus, MINUS_SLOTS)
     overflow = (plus_count > PLUS_SLOTS) | (minus_count > MINUS_SLOTS)
-    length = 2 * (masks[:, 0] >> 28)
     meta = length | np.where(overflow, SLOTS_OVERFLOW, 0)
     meta[0] |= SLOTS_TABLE_OVERFLOWS if overflow.any() else 0
     return np.concatenate([plus_slots, minus_slots, meta[:, None]], axis=1).astype(np.uint8)
@@ -112,22 +117,19 @@ def words_from_masks(masks: np.ndarray) -> np.ndarray:
       the overflow class) and its length; entry 0 also flags whether any entry
       overflows and whether any has 4 nonzero weights.
     """
-    masks = np.asarray(masks, np.uint32)
-    weight_bits = np.arange(28, dtype=np.uint32)
-    plus = ((masks[:, 0, None] >> weight_bits) & 1).astype(bool)
-    minus = ((masks[:, 1, None] >> weight_bits) & 1).astype(bool)
-    plus_count, minus_count = plus.sum(axis=1), minus.sum(axis=1)
-    # Each weight's rank among the entry's nonzero weights: plus weights first, then minus.
-    rank = np.where(plus, np.cumsum(plus, axis=1) - 1, plus_count[:, None] + np.cumsum(minus, axis=1) - 1)
-    nonzero = plus | minus
-    fields = np.zeros(len(masks), np.uint32)
+    plus, minus, length = _weight_bits(masks)
+    plus_positions, plus_count = _first_set_bits(plus, WORD_FIELDS)
+    minus_positions, minus_count = _first_set_bits(minus, WORD_FIELDS)
+    # Field f holds the entry's f-th nonzero weight: plus weights first, then minus ones; unused fields 0.
+    fields = np.zeros(len(length), np.uint32)
     for field in range(WORD_FIELDS):
-        at = nonzero & (rank == field)
-        position = np.where(at.any(axis=1), np.argmax(at, axis=1), 0).astype(np.uint32)
+        from_minus = np.clip(field - plus_count, 0, WORD_FIELDS - 1)
+        position = np.where(field < plus_count, plus_positions[:, field],
+                            np.take_along_axis(minus_positions, from_minus[:, None], axis=1)[:, 0])
+        position = np.where(field < plus_count + minus_count, position, 0).astype(np.uint32)
         fields |= position << np.uint32(WORD_FIELD_BITS * field)
     overflow = plus_count + minus_count > WORD_FIELDS
     kind = np.where(overflow, WORD_OVERFLOW_CLASS, (WORD_FIELDS + 1) * plus_count + minus_count).astype(np.uint32)
-    length = 2 * (masks[:, 0] >> np.uint32(28))
     words = fields | (kind << np.uint32(WORD_CLASS_SHIFT)) | (length << np.uint32(WORD_LENGTH_SHIFT))
     words[0] |= np.uint32(WORDS_TABLE_OVERFLOWS if overflow.any() else 0)
     words[0] |= np.uint32(WORDS_TABLE_HAS_FOURTH if (plus_count + minus_count == WORD_FIELDS).any() else 0)
