@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 
+from gptq_grouping import minimal_flops
 from machine import cpu_model
 from streaming import REPO, directory_bytes, fresh_work_dir, synthetic_params
 
@@ -124,8 +125,7 @@ def run_cli(args, checkpoint: str, config_path: str, output_dir: str) -> dict:
 
 
 def gptq_useful_flops(config) -> float:
-    d, f = config.d_model, config.d_ff
-    return (d**3 / 3 + f * d**2) + (f**3 / 3 + d * f**2)  # wi: W[f, d]; wo: W[d, f]
+    return minimal_flops(config.d_ff, config.d_model) + minimal_flops(config.d_model, config.d_ff)  # wi, wo
 
 
 def project(run: dict, config, target_name: str, project_samples: int, num_samples: int) -> dict:

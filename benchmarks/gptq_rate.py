@@ -46,7 +46,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from gptq_grouping import executed_flops, factor_seconds, matmul_rate, minimal_flops, synthetic_layer, timed
 from machine import cpu_model
 
@@ -112,12 +111,11 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
                                    scaled[s:s + step, s:s + step], factor_diag[s:s + step], params, grid, sizes)[1]
                 for s in range(0, cols, step)]
 
-    def outer_updates(weights_t, scaled, factor_diag, params):
+    def outer_updates(weights_t, scaled, factor_diag, params):  # the weights stand in for each block's residuals
         corrections = jnp.zeros_like(weights_t)
         for start in range(0, cols - outer, outer):
-            stop = start + outer
-            corrections = corrections.at[stop:].add(jnp.matmul(scaled[start:stop, stop:].T, weights_t[start:stop],
-                                                               precision=lax.Precision.HIGHEST))
+            corrections = gptq_module._push_forward(corrections, scaled, weights_t[start:start + outer], start,
+                                                    start + outer)
         return corrections
 
     def best(fn, **static):

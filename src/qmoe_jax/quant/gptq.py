@@ -172,6 +172,13 @@ def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConf
     return residuals_t, codes_t, squared_errors
 
 
+def _push_forward(corrections_t, scaled, block_residuals, start: int, stop: int):
+    """The unrolled sweep's lazy update after block start:stop: S[block, later]ᵀ·D_block added to the corrections
+    of the later columns only."""
+    update = jnp.matmul(scaled[start:stop, stop:].T, block_residuals, precision=_HIGHEST)
+    return corrections_t.at[stop:].add(update)
+
+
 def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
     """``_sweep`` from zero corrections with its outer block loop unrolled: block b's lazy update is
     S[b, later]ᵀ·D_b onto the later columns only (static shapes per block), the inner levels ``_sweep``'s."""
@@ -185,8 +192,7 @@ def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, bl
             weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop], factor_diag[start:stop],
             params, grid, inner_sizes)
         if stop < cols:
-            update = jnp.matmul(scaled[start:stop, stop:].T, block_residuals, precision=_HIGHEST)
-            corrections_t = corrections_t.at[stop:].add(update)
+            corrections_t = _push_forward(corrections_t, scaled, block_residuals, start, stop)
         residuals.append(block_residuals)
         codes.append(block_codes)
         squared_errors = squared_errors + block_squared_errors
