@@ -57,6 +57,7 @@ from gptq_grouping import minimal_flops
 from machine import cpu_model
 from streaming import REPO, directory_bytes, fresh_work_dir, synthetic_params
 
+from qmoe_jax import malloc
 from qmoe_jax.checkpoints import path_shapes, write_t5x_checkpoint
 from qmoe_jax.models import get_config, param_shapes
 
@@ -177,7 +178,8 @@ def main():
 
     print(f"\ncompression of switch-base-shaped sparse layers (d_model {config.d_model}, d_ff {config.d_ff}, "
           f"{args.experts} experts; one per stack), {args.num_samples} calibration samples; {cpu_model()}, "
-          f"{os.cpu_count()} CPUs, load average {load_before[0]:.1f} (shared machine)")
+          f"{os.cpu_count()} CPUs, load average {load_before[0]:.1f} (shared machine); the CLI's malloc huge pages "
+          f"{malloc.huge_pages_status()}")
     print("the CLI printed: " + " ".join(run["printed"]))
     print(f"{'':>22} " + " ".join(f"{phase:>8}" for phase in PHASES + ("total",)))
     print(f"{'whole run':>22} " + " ".join(f"{run['phases'][phase]:>7.1f}s" for phase in PHASES + ("total",)))
@@ -199,7 +201,7 @@ def main():
           "a checkpoint larger than RAM reads at the disk's rate")
 
     result = dict(config=dataclasses.asdict(config), cpu=cpu_model(), cpus=os.cpu_count(), args=vars(args),
-                  checkpoint_bytes=directory_bytes(checkpoint), run=run, projections=projections,
+                  malloc_huge_pages=malloc.huge_pages_status(), checkpoint_bytes=directory_bytes(checkpoint), run=run, projections=projections,
                   projection_is_an_estimate=True, load_average_before=load_before, load_average_after=os.getloadavg())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

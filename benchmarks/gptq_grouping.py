@@ -48,6 +48,11 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from qmoe_jax import malloc
+
+if __name__ == "__main__":  # time the solver with the malloc settings of the compression CLI
+    malloc.reexec_with_huge_pages(__file__)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -204,7 +209,7 @@ def main():
     print(f"dense f32 matmul ({MATMUL_SIZE}^2): {rate / 1e9:.1f} GFLOP/s, {rate_per_cpu / 1e9:.1f} GFLOP per CPU s; "
           f"GPTQ FLOPs executed {flops / 1e9:.1f} G (minimal {flops_min / 1e9:.1f} G); jax {jax.__version__}, "
           f"{jax.device_count()} device(s), {os.cpu_count()} CPUs, OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}, "
-          f"load average {load_before[0]:.1f} (shared machine)")
+          f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {malloc.huge_pages_status()}")
     print(f"{'|E|':>4} {'layer s':>8} {'speedup':>8} {'cpu s':>7} {'speedup':>8} {'Cholesky s':>11} {'(cpu s)':>8} "
           f"{'GFLOP/s':>8} {'of matmul':>10} {'(per cpu s)':>12} {'compile s':>10}")
     for row in rows:
@@ -219,7 +224,7 @@ def main():
     print(f"paper ({PAPER['model']}): |E|=1 {PAPER['seconds'][1]} s, |E|=16 {PAPER['seconds'][16]} s, "
           f"{PAPER['seconds'][1] / PAPER['seconds'][16]:.1f}x")
 
-    report = dict(args=vars(args), block_sizes=config.block_sizes, matmul_gflops_per_s=rate / 1e9,
+    report = dict(args=vars(args), malloc_huge_pages=malloc.huge_pages_status(), block_sizes=config.block_sizes, matmul_gflops_per_s=rate / 1e9,
                   matmul_gflops_per_cpu_s=rate_per_cpu / 1e9,
                   gflops_executed=flops / 1e9, gflops_minimal=flops_min / 1e9, rows=rows, paper=PAPER,
                   load_average_before=load_before, load_average_after=os.getloadavg(), cpus=os.cpu_count(),

@@ -43,6 +43,11 @@ import pathlib
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+from qmoe_jax import malloc
+
+if __name__ == "__main__":  # time the solver with the malloc settings of the compression CLI
+    malloc.reexec_with_huge_pages(__file__)
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -206,7 +211,7 @@ def main():
 
     print(f"GPTQ on one expert (d_model {args.d_model}, d_ff {args.d_ff}), ternary, block sizes "
           f"{GPTQConfig().block_sizes}; {cpu_model()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
-          f"load average {load_before[0]:.1f} (shared machine)")
+          f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {malloc.huge_pages_status()}")
     print(f"dense f32 matmul (2048^2): {rate / 1e9:.1f} GFLOP/s, {rate_per_cpu / 1e9:.1f} GFLOP per CPU second; "
           f"'of mm': the fraction of the matmul rate per wall second (per CPU second in brackets, steadier "
           f"when other work shares the cores)")
@@ -244,7 +249,7 @@ def main():
           f"{'met' if final['fraction_of_matmul_executed'] >= GOAL else 'not met'}")
 
     report = dict(args=vars(args), cpu=cpu_model(), cpus=os.cpu_count(), jax_version=jax.__version__,
-                  block_sizes=GPTQConfig().block_sizes, matmul_gflops_per_s=rate / 1e9,
+                  malloc_huge_pages=malloc.huge_pages_status(), block_sizes=GPTQConfig().block_sizes, matmul_gflops_per_s=rate / 1e9,
                   matmul_gflops_per_cpu_s=rate_per_cpu / 1e9, rows=rows, expert_totals=totals, goal=GOAL,
                   variants={name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
                   load_average_before=load_before, load_average_after=os.getloadavg())

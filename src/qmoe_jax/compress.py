@@ -13,20 +13,13 @@ docs/recovery.md says what is refused, what resumes and what is repaired.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import sys
 
+from qmoe_jax import malloc
 
-def _limit_malloc_arenas(arenas: int = 2) -> None:
-    """Caps glibc's malloc arenas (M_ARENA_MAX): with XLA's many threads the default
-    (8 per core) holds freed memory in per-thread arenas and inflates peak RSS by ~20%."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-8, arenas)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to tune
-
-
-_limit_malloc_arenas()
+if __name__ == "__main__":  # before jax is imported: an exec here wastes no start-up work
+    malloc.reexec_with_huge_pages("qmoe_jax.compress")  # big XLA buffers without 4 KiB page faults
+malloc.limit_arenas()
 
 from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
 from qmoe_jax.cli import add_debug_flag, run_cli  # noqa: E402

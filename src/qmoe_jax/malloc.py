@@ -1,0 +1,149 @@
+"""glibc malloc settings for the commands that run big XLA programs (``python -m qmoe_jax.compress``).
+
+Two settings, both for Linux with glibc; elsewhere they do nothing.
+
+**Arenas** (``limit_arenas``): with XLA's many threads glibc's default of 8
+arenas per core holds freed memory in per-thread arenas and inflates peak RSS
+by about 20%; the compressor caps them at 2 (M_ARENA_MAX, set in-process).
+
+**Huge pages** (``reexec_with_huge_pages``): XLA:CPU allocates a program's
+buffers afresh on every call, and the big ones are big: a switch-base wo
+Hessian is 3072² float32, 36 MiB. glibc serves blocks over 32 MiB (and
+smaller ones once freed memory has been trimmed) with fresh ``mmap``s, so
+every call first-touches new 4 KiB pages: about 10,000 page faults per
+3072-column Cholesky, 250,000 per switch-base expert's GPTQ. glibc ≥ 2.35
+has a tunable, ``glibc.malloc.hugetlb=1``, that marks malloc's memory
+``MADV_HUGEPAGE``; where the kernel's transparent huge pages are in
+``madvise`` mode (the default of Debian and Ubuntu kernels), pages then come
+2 MiB at a time. Measured on a 2-core AMD EPYC (Zen 3) VM, alternating
+processes: 12× fewer page faults, and GPTQ on one switch-base expert went
+from 0.26-0.28 s to 0.22 s (README, Measured).
+
+glibc reads tunables once, when the process starts, so a command that wants
+it re-executes itself first thing (``os.execve`` with the same interpreter,
+arguments and environment plus the tunable, appended to any
+``GLIBC_TUNABLES`` already set). Nothing is re-executed where it would not
+help: THP mode ``always`` (huge pages already) or ``never`` (none to get),
+glibc older than 2.35, a ``GLIBC_TUNABLES`` that already sets
+``glibc.malloc.hugetlb`` (the user's choice stands), or
+``QMOE_JAX_HUGE_PAGES=0`` (the opt-out). Importing qmoe_jax never
+re-executes anything: only a command's ``__main__`` calls it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import sys
+from collections.abc import Mapping
+
+TUNABLES = "GLIBC_TUNABLES"
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb"
+HUGE_PAGE_SETTING = f"{HUGE_PAGE_TUNABLE}=1"
+OPT_OUT = "QMOE_JAX_HUGE_PAGES"
+THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+MIN_GLIBC = (2, 35)
+_M_ARENA_MAX = -8
+
+
+def limit_arenas(arenas: int = 2) -> None:
+    """Caps glibc's malloc arenas at ``arenas`` (M_ARENA_MAX); nothing where the C library is not glibc."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
+def thp_mode(path: str = THP_MODE_FILE) -> str | None:
+    """The kernel's transparent huge page mode (the bracketed word of ``path``: always, madvise or never), or
+    None where the file is missing or unreadable."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    start, stop = text.find("["), text.find("]")
+    return text[start + 1:stop] if 0 <= start < stop else None
+
+
+def _glibc_version(libc: tuple[str, str]) -> tuple[int, ...] | None:
+    name, version = libc
+    if name != "glibc":
+        return None
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None
+
+
+def _tunable_value(environ: Mapping[str, str]) -> str | None:
+    """The value ``GLIBC_TUNABLES`` gives ``glibc.malloc.hugetlb`` (the last one, as glibc reads them), or None."""
+    values = [part.split("=", 1)[1] for part in environ.get(TUNABLES, "").split(":")
+              if part.startswith(HUGE_PAGE_TUNABLE + "=")]
+    return values[-1] if values else None
+
+
+def huge_page_decision(environ: Mapping[str, str], libc: tuple[str, str], mode: str | None) -> tuple[bool, str]:
+    """(whether to re-execute with ``glibc.malloc.hugetlb=1``, why, in words), for the process environment
+    ``environ``, ``platform.libc_ver()``'s answer ``libc`` and the THP mode ``mode``."""
+    if environ.get(OPT_OUT, "") == "0":
+        return False, f"off ({OPT_OUT}=0)"
+    if _tunable_value(environ) is not None:
+        return False, f"as set in {TUNABLES} ({environ[TUNABLES]})"
+    version = _glibc_version(libc)
+    if version is None:
+        return False, "off (not glibc)"
+    if version < MIN_GLIBC:
+        return False, f"off (glibc {libc[1]} has no {HUGE_PAGE_TUNABLE}; it needs 2.35)"
+    if mode != "madvise":
+        return False, f"not needed (transparent huge pages: {mode or 'unknown'})"
+    return True, f"on ({TUNABLES}={HUGE_PAGE_SETTING}, transparent huge pages: madvise)"
+
+
+def huge_page_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """``environ`` with ``glibc.malloc.hugetlb=1`` appended to ``GLIBC_TUNABLES`` (colon-separated)."""
+    tunables = [part for part in environ.get(TUNABLES, "").split(":") if part]
+    return {**environ, TUNABLES: ":".join(tunables + [HUGE_PAGE_SETTING])}
+
+
+def huge_pages_status() -> str:
+    """Whether malloc gets huge pages, in words (benchmarks print it): this process's state where its
+    ``GLIBC_TUNABLES`` sets the tunable, else what ``reexec_with_huge_pages`` does for a command started now."""
+    environ = os.environ
+    value = _tunable_value(environ)
+    if value is not None:
+        state = "off" if value == "0" else "on"
+        return f"{state} ({TUNABLES}={environ[TUNABLES]}, transparent huge pages: {thp_mode() or 'unknown'})"
+    return huge_page_decision(environ, platform.libc_ver(), thp_mode())[1]
+
+
+def _started_as(entry: str) -> bool:
+    """Whether the interpreter's own command line runs ``entry``: ``-m entry`` for a module name, the same file
+    for a path ending in .py (not, say, runpy inside another program, which an exec would replace)."""
+    argv = sys.orig_argv
+    if entry.endswith(".py"):
+        return any(os.path.isfile(arg) and os.path.samefile(arg, entry) for arg in argv[1:])
+    return any(flag == "-m" and name == entry for flag, name in zip(argv, argv[1:]))
+
+
+def reexec_with_huge_pages(entry: str) -> None:
+    """Re-executes this process with ``glibc.malloc.hugetlb=1`` where that helps (module docstring). ``entry`` is
+    the caller's module name (``python -m``) or script path: a process whose command line does not run it is
+    left alone. Returns where nothing is re-executed or the exec fails (the process then goes on as it is)."""
+    if sys.platform != "linux" or not _started_as(entry):
+        return
+    wanted, _ = huge_page_decision(os.environ, platform.libc_ver(), thp_mode())
+    if not wanted:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, sys.orig_argv, huge_page_environment(os.environ))
+    except OSError:
+        pass  # an interpreter we cannot start again: run on without huge pages
+
+
+if __name__ == "__main__":  # python -m qmoe_jax.malloc: what the commands get on this machine
+    reexec_with_huge_pages("qmoe_jax.malloc")
+    print(f"malloc huge pages: {huge_pages_status()}")
