@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from qmoe_jax.calibration.experts import gather_group, hessian_token_cap, sort_by_expert
+from qmoe_jax.calibration.experts import gather_group, hessian_token_cap, hessian_width, sort_by_expert
 
 
 def test_sort_by_expert_groups_kept_rows_in_buffer_order():
@@ -61,3 +61,39 @@ def test_experts_per_call_fits_the_memory_and_splits_evenly():
     # Weights count, not only Hessians: a tall matrix with few columns is split too.
     tall = ExpertCompressionConfig(group_size=16, gptq_memory=4 * per_expert(3072, 768))
     assert tall.experts_per_call(3072, 768, 16) == 4
+
+
+@pytest.mark.parametrize(("last", "size", "width"), [
+    (0, 16, 8),  # no kept token: the smallest width
+    (5, 5, 5),  # never past the buffer
+    (8, 1024, 8), (9, 1024, 9), (100, 1024, 104), (700, 1024, 704), (1000, 1024, 1024),
+    (2049, 4096, 2304), (3000, 4096, 3072), (4096, 4096, 4096),
+])
+def test_hessian_width_covers_every_kept_token(last, size, width):
+    mask = np.zeros((3, size), bool)
+    if last:
+        mask[1, last - 1] = True  # the last kept token of the group, in its middle expert
+        mask[0, : last // 2] = True
+    assert hessian_width(mask) == width
+    assert width >= last and (width - last) * 8 <= max(last, 64)  # at most 12.5% over (beyond tiny widths)
+
+
+@pytest.mark.parametrize("cols", [768, 3072])
+def test_hessians_of_trimmed_tokens_are_bit_identical(cols):
+    """The calibration pass computes Hessians on ``hessian_width`` columns of the padded buffer, not all of it:
+    XLA's matmul must sum a product alike whatever zero (masked) rows follow, so the codes cannot change."""
+    import jax.numpy as jnp
+
+    from qmoe_jax.quant import expert_hessians
+
+    rng = np.random.default_rng(cols)
+    tokens = rng.standard_normal((3, 4096, cols)).astype(np.float32)
+    mask = np.zeros((3, 4096), bool)
+    for expert, count in enumerate((2500, 3000, 2049)):
+        mask[expert, :count] = rng.random(count) < 0.9
+    full, full_counts = expert_hessians(jnp.asarray(tokens), jnp.asarray(mask))
+    width = hessian_width(mask)
+    assert width == 3072
+    trimmed, counts = expert_hessians(jnp.asarray(tokens[:, :width]), jnp.asarray(mask[:, :width]))
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(full_counts))
+    np.testing.assert_array_equal(np.asarray(trimmed), np.asarray(full))

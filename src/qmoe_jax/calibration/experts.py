@@ -95,6 +95,20 @@ def _bucket(n: int) -> int:
     return max(8, 1 << max(0, n - 1).bit_length())
 
 
+def hessian_width(hessian_mask: np.ndarray) -> int:
+    """Token columns of ``hessian_mask[g, n]`` the Hessians need: up to its last kept token, rounded up to one
+    of 8 steps per power of two (at most 12.5% over, and few distinct jit shapes).
+
+    The gathered buffer is padded to the next power of two of the group's largest expert, often twice the tokens
+    the Hessians count; the trimmed columns are masked for every expert, and XLA:CPU's matmul sums a product
+    alike whatever zero rows follow (checked bit for bit in tests/test_calibration_experts.py).
+    """
+    kept = np.asarray(hessian_mask).any(axis=0)
+    last = int(np.flatnonzero(kept)[-1]) + 1 if kept.any() else 1
+    step = 1 << max(0, last.bit_length() - 4)
+    return min(max(8, -(-last // step) * step), kept.size)
+
+
 def dequantized_t5x_kernel(kernel: QuantizedKernel, grid: GridConfig) -> jax.Array:
     """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back)."""
     weights = jax.vmap(lambda c, p: dequantize_codes(c, p, grid))(jnp.asarray(kernel.codes), jnp.asarray(kernel.grid_params))
@@ -163,7 +177,7 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
 
     def quantize(name: str, inputs_of: Callable[[slice], jax.Array], cols: int) -> None:
         """Hessians + GPTQ of one kernel, in calls of at most ``experts_per_call`` experts;
-        ``inputs_of(part)`` gives the kernel's inputs for those experts only."""
+        ``inputs_of(part)`` gives the kernel's inputs for those experts only (their first ``width`` tokens)."""
         experts = len(tokens.rows)
         rows = kernels[name].shape[2]  # T5X kernels are [g, in, out]: W has out rows
         step = settings.experts_per_call(rows, cols, experts)
@@ -171,7 +185,7 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         for start in range(0, experts, step):
             part = slice(start, start + step)
             started = time.perf_counter()
-            hessians, counts = expert_hessians(inputs_of(part), mask[part])
+            hessians, counts = expert_hessians(inputs_of(part), mask[part, :width])
             hessians.block_until_ready()
             seconds["hessian"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -185,18 +199,19 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         quantized[name] = QuantizedKernel(np.concatenate(codes), np.concatenate(params))
 
     def hidden_of(part: slice) -> jax.Array:
-        """wo's inputs for the experts of ``part``: activations through the original input
-        kernels (QMoE), or through the quantized ones (true-sequential)."""
+        """wo's inputs for the experts of ``part`` and their first ``width`` tokens: activations through the
+        original input kernels (QMoE), or through the quantized ones (true-sequential)."""
         if settings.true_sequential:
             in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(part), settings.grid) for n in names}
         else:
             in_kernels = {n: jnp.asarray(kernels[n][part], jnp.float32) for n in names}
-        return jax.vmap(lambda xs, ks: expert_hidden(config, ks, xs))(x[part], in_kernels)
+        return jax.vmap(lambda xs, ks: expert_hidden(config, ks, xs))(x[part, :width], in_kernels)
 
+    width = hessian_width(tokens.hessian_mask)  # one width for all calls: one compile per shape
     mask = jnp.asarray(tokens.hessian_mask)
     x = jnp.asarray(inputs)
     for name in names:
-        quantize(name, lambda part: x[part], config.d_model)
+        quantize(name, lambda part: x[part, :width], config.d_model)
     quantize("wo", hidden_of, config.d_ff)
     return quantized, fallback, seconds
 
