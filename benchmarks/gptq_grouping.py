@@ -103,13 +103,19 @@ def synthetic_layer(args):
 
 def executed_flops(rows: int, cols: int, config: GPTQConfig) -> float:
     """Cholesky cols^3/3 plus the lazy updates the sweep executes: every level full width, except the outer
-    one when unrolled (``config.unroll_blocks``: block b updates only the columns after it)."""
+    one when unrolled (``config.unroll_blocks``: block b updates only the columns after it) and the inside of
+    each outer block when the native CPU kernel runs it (``config.native_block``: each column updates only the
+    block's later columns, rows·m·(m − 1) per block of m)."""
     block_sizes = config.block_sizes
     padded = -(-cols // block_sizes[0]) * block_sizes[0]
     blocks = padded // block_sizes[0]
     outer = (float(rows) * block_sizes[0] ** 2 * blocks * (blocks - 1) if config.unroll_blocks
              else 2.0 * rows * padded * padded)
-    return cols**3 / 3 + outer + sum(2.0 * rows * padded * parent for parent in block_sizes[:-1])
+    if config.native_block and len(block_sizes) > 1:
+        inner = float(rows) * padded * (block_sizes[0] - 1)
+    else:
+        inner = sum(2.0 * rows * padded * parent for parent in block_sizes[:-1])
+    return cols**3 / 3 + outer + inner
 
 
 def minimal_flops(rows: int, cols: int) -> float:

@@ -4,9 +4,12 @@ Both matrices of one expert in y = W·x orientation (wi: W[3072, 768], H[768, 76
 wo: W[768, 3072], H[3072, 3072]), with Hessians from 1024 and 8192 synthetic
 correlated calibration tokens (gptq_grouping.py's layer with one expert). Each
 matrix is quantized the way the calibration pass does it (`quantize_expert_group`,
-one expert per call), with the outer block loop unrolled (the default,
-GPTQConfig.unroll_blocks) and with a fori_loop over blocks (the solver before the
-change), taking turns in one run; the codes of the two are compared bit for bit.
+one expert per call), in three variants taking turns in one run: "unrolled" (the
+default: outer block loop unrolled, the columns inside each block in the native CPU
+kernel, GPTQConfig.native_block), "fori_loop" (a fori_loop over blocks, the same
+kernel inside; its codes must equal unrolled's bit for bit) and "jnp_block" (unrolled,
+the jnp levels inside each block: the solver before the native kernel; its codes
+differ by float rounding only, and the fraction equal to unrolled's is printed).
 
 Reported per token count, matrix and variant: seconds (best of --repeats), GFLOP/s and
 the fraction of the dense matmul rate (jnp.dot 2048x2048 f32, best of before and
@@ -18,7 +21,7 @@ after), on two FLOP counts:
     with the fori_loop variant.
 The time split: the Cholesky (`hessian_factor` alone, jitted the same way) and the
 column sweep (the rest); the sweep's parts are also timed alone at the first token count
-(outer lazy updates; inner levels: 16-column sub-blocks and single columns). The
+(outer lazy updates; inner levels, native and jnp: 16-column sub-blocks and single columns). The
 Cholesky (quant/linalg.py, blockwise left-looking) executes a little more than
 cols^3/3 (full matmuls on its diagonal blocks, their inverses for the solves); its
 executed count is printed beside it.
@@ -59,7 +62,8 @@ from qmoe_jax.quant.linalg import BASE_SIZE
 
 GOAL = 0.60
 gptq_module = importlib.import_module("qmoe_jax.quant.gptq")  # the module (qmoe_jax.quant.gptq is the function)
-VARIANTS = {"unrolled": GPTQConfig(), "fori_loop": GPTQConfig(unroll_blocks=False)}
+VARIANTS = {"unrolled": GPTQConfig(), "fori_loop": GPTQConfig(unroll_blocks=False),
+            "jnp_block": GPTQConfig(native_block=False)}
 
 
 def parse_args():
@@ -111,9 +115,10 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
     params = grid_params(weights, grid)
     outer, inner = config.block_size, config.block_sizes[1:]
 
-    def inner_levels(weights_t, scaled, factor_diag, params, sizes, step):
-        return [gptq_module._sweep(weights_t[s:s + step], jnp.zeros_like(weights_t[s:s + step]),
-                                   scaled[s:s + step, s:s + step], factor_diag[s:s + step], params, grid, sizes)[1]
+    def inner_levels(weights_t, scaled, factor_diag, params, sizes, step, native):
+        return [gptq_module._block_levels(weights_t[s:s + step], jnp.zeros_like(weights_t[s:s + step]),
+                                          scaled[s:s + step, s:s + step], factor_diag[s:s + step], params, grid,
+                                          sizes, native)[1]
                 for s in range(0, cols, step)]
 
     def outer_updates(weights_t, scaled, factor_diag, params):  # the weights stand in for each block's residuals
@@ -131,8 +136,9 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
         return min(timed(lambda: jax.block_until_ready(jitted(*operands)))[0] for _ in range(repeats))
 
     return dict(outer_updates_seconds=best(outer_updates),
-                inner_levels_seconds=best(inner_levels, sizes=inner, step=outer),
-                column_level_seconds=best(inner_levels, sizes=(1,), step=config.block_sizes[-2]))
+                inner_levels_seconds=best(inner_levels, sizes=inner, step=outer, native=True),
+                inner_levels_jnp_seconds=best(inner_levels, sizes=inner, step=outer, native=False),
+                column_level_jnp_seconds=best(inner_levels, sizes=(1,), step=config.block_sizes[-2], native=False))
 
 
 def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
@@ -170,9 +176,18 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                 gflop_executed=executed_flops(out_rows, cols, config) / 1e9,
                 gflop_cholesky_executed=cholesky_executed_flops(cols) / 1e9,
                 codes_identical_across_variants=identical, fallback=bool(results[variant].fallback[0]),
+                codes_equal_to_unrolled=float(np.mean(np.asarray(results[variant].codes)
+                                                      == np.asarray(results["unrolled"].codes))),
                 hessian_seconds=hessian_s, hessian_gflop=2.0 * tokens * cols**2 / 1e9,
                 sweep_split=split if variant == "unrolled" else {}))
     return rows
+
+
+def codes_column(row: dict) -> str:
+    """unrolled and fori_loop: whether their codes are identical; jnp_block: the fraction equal to unrolled's."""
+    if row["variant"] == "jnp_block":
+        return f"{row['codes_equal_to_unrolled']:.4%} equal"
+    return "identical" if row["codes_identical_across_variants"] else "DIFFER"
 
 
 def with_rates(row: dict, rate: float, rate_per_cpu: float) -> dict:
@@ -191,7 +206,8 @@ def expert_totals(rows: list[dict], rate: float, rate_per_cpu: float) -> list[di
         for variant in VARIANTS:
             mine = [row for row in rows if row["tokens"] == tokens and row["variant"] == variant]
             total = dict(tokens=tokens, matrix="expert (wi+wo)", variant=variant,
-                         codes_identical_across_variants=all(row["codes_identical_across_variants"] for row in mine))
+                         codes_identical_across_variants=all(row["codes_identical_across_variants"] for row in mine),
+                         codes_equal_to_unrolled=float(np.mean([row["codes_equal_to_unrolled"] for row in mine])))
             for key in ("seconds", "cpu_seconds", "compile_seconds", "cholesky_seconds", "sweep_seconds",
                         "gflop_useful", "gflop_executed", "gflop_cholesky_executed", "hessian_seconds", "hessian_gflop"):
                 total[key] = sum(row[key] for row in mine)
@@ -216,14 +232,14 @@ def main():
           f"'of mm': the fraction of the matmul rate per wall second (per CPU second in brackets, steadier "
           f"when other work shares the cores)")
     print(f"{'tokens':>6} {'matrix':>15} {'variant':>9} {'s':>7} {'useful GF/s':>11} {'of mm':>14} "
-          f"{'exec GF/s':>9} {'of mm':>14} {'Cholesky s':>10} {'sweep s':>8} {'compile s':>9} {'same codes':>10}")
+          f"{'exec GF/s':>9} {'of mm':>14} {'Cholesky s':>10} {'sweep s':>8} {'compile s':>9} {'codes':>14}")
     for row in rows + totals:
         print(f"{row['tokens']:>6} {row['matrix']:>15} {row['variant']:>9} {row['seconds']:>7.3f} "
               f"{row['gflops_per_s_useful']:>11.1f} {row['fraction_of_matmul_useful']:>6.1%} "
               f"({row['fraction_of_matmul_useful_cpu']:>5.1%}) {row['gflops_per_s_executed']:>9.1f} "
               f"{row['fraction_of_matmul_executed']:>6.1%} ({row['fraction_of_matmul_executed_cpu']:>5.1%}) "
               f"{row['cholesky_seconds']:>10.3f} {row['sweep_seconds']:>8.3f} {row['compile_seconds']:>9.1f} "
-              f"{str(row['codes_identical_across_variants']):>10}")
+              f"{codes_column(row):>14}")
     for total in totals:
         if total["variant"] == "unrolled":
             print(f"{total['tokens']} tokens: Hessian accumulation (2·tokens·cols^2 = {total['hessian_gflop']:.1f} "
@@ -238,8 +254,9 @@ def main():
         if row["sweep_split"]:
             split = row["sweep_split"]
             print(f"{row['matrix']} sweep, parts timed alone: outer updates {split['outer_updates_seconds']:.3f} s, "
-                  f"inner levels {split['inner_levels_seconds']:.3f} s (of which the per-column loops "
-                  f"{split['column_level_seconds']:.3f} s)")
+                  f"inner levels {split['inner_levels_seconds']:.3f} s in the native kernel, "
+                  f"{split['inner_levels_jnp_seconds']:.3f} s as jnp levels (of which the per-column loops "
+                  f"{split['column_level_jnp_seconds']:.3f} s)")
     largest = max(args.tokens)
     final = next(t for t in totals if t["tokens"] == largest and t["variant"] == "unrolled")
     print(f"goal: solver >= {GOAL:.0%} of the matmul rate at {largest} tokens: useful count "

@@ -51,6 +51,8 @@
 // CPU specifics: the handlers run on XLA's intra-op thread pool and pick
 // AVX-512, AVX2 or portable code at run time; the environment variable
 // QMOE_CPU_ISA=avx512|avx2|portable forces one (for tests and benchmarks).
+//
+// GPTQ's block kernel, "qmoe_gptq_block", has its own contract in cpu_gptq.h.
 #pragma once
 
 #include <pybind11/pybind11.h>

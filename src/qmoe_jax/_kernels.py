@@ -1,5 +1,6 @@
 """Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h;
-CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON).
+CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), and of
+GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``).
 
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
@@ -32,6 +33,7 @@ except ImportError as error:  # pragma: no cover - depends on the installation
 MATMUL = "qmoe_matmul"
 MATMUL_TRANSPOSED = "qmoe_matmul_t"
 DEQUANTIZE = "qmoe_dequantize"
+GPTQ_BLOCK = "qmoe_gptq_block"
 PLUS_SLOTS = 8
 MINUS_SLOTS = 7
 UNUSED_SLOT = 31
@@ -188,6 +190,31 @@ def dequantize_call(static: Static, codes, row_offsets, minmax):
         *dictionary_operands(static.dictionary), codes, row_offsets, minmax,
         cols=np.int64(static.cols)
     )
+
+
+def gptq_block_call(weights_t, corrections_t, scaled, factor_diag, params, levels: int):
+    """GPTQ's column recurrence inside one block of m columns, on the CPU (xla_ffi/cpu_gptq.h).
+
+    Args (leading batch dims B... alike on all, as vmap gives them):
+      weights_t, corrections_t: float32[B..., m, rows]; scaled: float32[B..., m, m] (S, read above the
+      diagonal); factor_diag: float32[B..., m]; params: [B..., rows, 2] (converted to float32);
+      levels: 3 for the ternary grid, else the minmax grid's code count.
+
+    Returns:
+      (residuals float32[B..., m, rows], codes uint8[B..., m, rows], squared errors float32[B..., rows]).
+    """
+    weights_t = jnp.asarray(weights_t, jnp.float32)
+    shape = weights_t.shape
+    if weights_t.ndim < 2 or jnp.shape(corrections_t) != shape or jnp.shape(scaled) != (*shape[:-1], shape[-2]) \
+            or jnp.shape(factor_diag) != shape[:-1] or jnp.shape(params) != (*shape[:-2], shape[-1], 2):
+        raise ValueError(f"gptq_block_call expects weights_t and corrections_t [B..., m, rows], scaled [B..., m, m], "
+                         f"factor_diag [B..., m] and params [B..., rows, 2]; got {shape}, {jnp.shape(corrections_t)}, "
+                         f"{jnp.shape(scaled)}, {jnp.shape(factor_diag)}, {jnp.shape(params)}")
+    result = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.uint8),
+              jax.ShapeDtypeStruct((*shape[:-2], shape[-1]), jnp.float32))
+    return jax.ffi.ffi_call(GPTQ_BLOCK, result, vmap_method="broadcast_all")(
+        weights_t, jnp.asarray(corrections_t, jnp.float32), jnp.asarray(scaled, jnp.float32),
+        jnp.asarray(factor_diag, jnp.float32), jnp.asarray(params, jnp.float32), levels=np.int64(levels))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -40,6 +40,15 @@ element alike whatever the output's width, so the codes are bit-identical (a
 test checks it, also vmapped; benchmarks/gptq_rate.py on switch-base shapes);
 the unrolled program compiles slower (one copy of the inner loops per block).
 
+On CPU, the levels inside each outer block run in a native kernel instead
+(``GPTQConfig.native_block``, the FFI target ``qmoe_gptq_block``,
+xla_ffi/cpu_gptq.h): per row, columns in order, each residual pushed to the
+block's later columns at once (right-looking), rows split across threads.
+XLA:CPU's per-column loops cost more than their arithmetic; the kernel has
+none. Its float sums come in another order than the jnp levels' (its twin,
+which other platforms run), so codes differ by rounding only; its own
+results are the same on every instruction set and in every batch.
+
 Failures are data: when H is not positive definite after damping (or no
 column is live), ``ok`` is False and the matrix is rounded to nearest (R =
 identity, the original weights), never an exception.
@@ -73,6 +82,9 @@ class GPTQConfig:
         block_size (1 or block_size: none).
       unroll_blocks: run the outer blocks unrolled, each lazy update onto the later columns only (about
         half the update FLOPs, same codes, slower compile); False: one ``fori_loop`` over blocks.
+      native_block: on CPU, the columns inside each block run in the native kernel (xla_ffi/cpu_gptq.h:
+        rows in parallel, each row's corrections in L1; sub_block_size is then unused); False, and on
+        other platforms: the jnp levels. The two differ only by the order of float sums.
     """
 
     block_size: int = 128
@@ -80,6 +92,7 @@ class GPTQConfig:
     act_order: bool = False
     sub_block_size: int = 16
     unroll_blocks: bool = True
+    native_block: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.block_size, int) and self.block_size > 0):
@@ -142,9 +155,30 @@ def _columns(weights_t, corrections_t, scaled, factor_diag, params, grid: GridCo
     return lax.fori_loop(0, weights_t.shape[0], quantize_column, state)
 
 
-def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
+def _block_levels(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig,
+                  inner_sizes: tuple[int, ...], native: bool):
+    """``_sweep`` inside one outer block (``inner_sizes`` its levels): with ``native``, the CPU kernel
+    (``_kernels.gptq_block_call``) where the program runs on CPU and the jnp levels elsewhere; else the jnp levels."""
+
+    def jnp_levels(weights_t, corrections_t, scaled, factor_diag, params):
+        return _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid, inner_sizes)
+
+    operands = (weights_t, corrections_t, scaled, factor_diag, params)
+    if not native:
+        return jnp_levels(*operands)
+
+    def native_levels(*operands):
+        from qmoe_jax._kernels import gptq_block_call  # the native extension, loaded only where it is used
+
+        return gptq_block_call(*operands, levels=grid.levels)
+
+    return lax.platform_dependent(*operands, cpu=native_levels, default=jnp_levels)
+
+
+def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...],
+           native: bool = False):
     """Quantize the columns of Wᵀ[n, rows] in order, in nested blocks of ``block_sizes`` (n divisible by the first;
-    the last is 1, the column level).
+    the last is 1, the column level); with ``native``, each outer block's inner levels as ``_block_levels`` runs them.
 
     ``corrections_t`` holds Σ_{j<k} D_j·S_jk from columns before this block; returns
     (residuals D = w − q [n, rows], codes uint8[n, rows], squared errors summed per row [rows]: twice the
@@ -159,8 +193,9 @@ def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConf
         start = b * size
         rows_of = functools.partial(lax.dynamic_slice_in_dim, start_index=start, slice_size=size, axis=0)
         block_scaled = lax.dynamic_slice(scaled, (start, start), (size, size))
-        block_residuals, block_codes, block_squared_errors = _sweep(
-            rows_of(weights_t), rows_of(corrections_t), block_scaled, rows_of(factor_diag), params, grid, inner_sizes)
+        block_residuals, block_codes, block_squared_errors = _block_levels(
+            rows_of(weights_t), rows_of(corrections_t), block_scaled, rows_of(factor_diag), params, grid, inner_sizes,
+            native)
         corrections_t = corrections_t + jnp.matmul(rows_of(scaled).T, block_residuals, precision=_HIGHEST)
         residuals_t = lax.dynamic_update_slice_in_dim(residuals_t, block_residuals, start, 0)
         codes_t = lax.dynamic_update_slice_in_dim(codes_t, block_codes, start, 0)
@@ -179,18 +214,19 @@ def _push_forward(corrections_t, scaled, block_residuals, start: int, stop: int)
     return corrections_t.at[stop:].add(update)
 
 
-def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...]):
+def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...],
+                    native: bool = False):
     """``_sweep`` from zero corrections with its outer block loop unrolled: block b's lazy update is
-    S[b, later]ᵀ·D_b onto the later columns only (static shapes per block), the inner levels ``_sweep``'s."""
+    S[b, later]ᵀ·D_b onto the later columns only (static shapes per block), the inner levels ``_block_levels``'."""
     size, inner_sizes = block_sizes[0], block_sizes[1:] or (1,)  # block_size 1: each block is one column
     cols = weights_t.shape[0]
     corrections_t = jnp.zeros_like(weights_t)
     residuals, codes, squared_errors = [], [], jnp.zeros_like(weights_t[0])
     for start in range(0, cols, size):
         stop = start + size
-        block_residuals, block_codes, block_squared_errors = _sweep(
+        block_residuals, block_codes, block_squared_errors = _block_levels(
             weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop], factor_diag[start:stop],
-            params, grid, inner_sizes)
+            params, grid, inner_sizes, native)
         if stop < cols:
             corrections_t = _push_forward(corrections_t, scaled, block_residuals, start, stop)
         residuals.append(block_residuals)
@@ -243,10 +279,11 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     scaled = factor * (1 / factor_diag)[None, :]  # S = R_jk / R_kk, multiplied as in linalg.py (batch-invariant)
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0))) if padding else weights.T
     if config.unroll_blocks:
-        _, codes_t, squared_errors = _sweep_unrolled(weights_t, scaled, factor_diag, params, grid, config.block_sizes)
+        _, codes_t, squared_errors = _sweep_unrolled(weights_t, scaled, factor_diag, params, grid, config.block_sizes,
+                                                     config.native_block)
     else:
         _, codes_t, squared_errors = _sweep(weights_t, jnp.zeros_like(weights_t), scaled, factor_diag, params, grid,
-                                            config.block_sizes)
+                                            config.block_sizes, config.native_block)
     codes = codes_t[:cols].T
     if config.act_order:
         codes = codes[:, jnp.argsort(order)]

@@ -1,0 +1,220 @@
+// "qmoe_gptq_block" on the CPU: see cpu_gptq.h for the contract.
+//
+// Each task takes kRowsPerTask rows of one batch item. Their corrections for
+// the whole block live in a small column-major scratch (m x kRowsPerTask
+// floats, 16 KiB at m = 128), so that a column's update of the later
+// columns, c_j += D_k·S_kj, is a short loop over contiguous rows that the
+// compiler vectorizes for each instruction set (the same source, built three
+// times through target attributes; rows past the matrix's end carry D = 0).
+#include "cpu_gptq.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cpu_operands.h"
+#include "cpu_parallel.h"
+#include "cpu_units.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace qmoe::cpu {
+namespace {
+
+namespace ffi = xla::ffi;
+
+constexpr const char* kGptqBlock = "qmoe_gptq_block";
+constexpr int64_t kTernaryLevels = 3;
+constexpr int64_t kMaxLevels = 256;  // codes are u8
+// Rows per task: their corrections (m x kRowsPerTask floats) stay in L1.
+constexpr int64_t kRowsPerTask = 32;
+
+// One batch item's operands and results.
+struct Block {
+  const float* weights;      // [m, rows]
+  const float* corrections;  // [m, rows]
+  const float* scaled;       // [m, m]
+  const float* factor_diag;  // [m]
+  const float* params;       // [rows, 2]
+  float* residuals;          // [m, rows]
+  uint8_t* codes;            // [m, rows]
+  float* squared_errors;     // [rows]
+  int64_t m;
+  int64_t rows;
+  int64_t levels;
+};
+
+// Rows [begin, begin + count) of `block` (count <= kRowsPerTask); `scratch` holds
+// m * kRowsPerTask floats.
+__attribute__((always_inline)) inline void QuantizeRows(const Block& block, int64_t begin, int64_t count,
+                                                        float* scratch) {
+  // Ternary: first = min, second = max; minmax: first = scale, second = zero.
+  float first[kRowsPerTask], second[kRowsPerTask], squared[kRowsPerTask], residual[kRowsPerTask];
+  for (int64_t i = 0; i < kRowsPerTask; ++i) {
+    const bool in = i < count;
+    first[i] = in ? block.params[2 * (begin + i)] : 0.0f;
+    second[i] = in ? block.params[2 * (begin + i) + 1] : 0.0f;
+    squared[i] = 0.0f;
+    residual[i] = 0.0f;  // rows past `count` keep D = 0: their corrections never change
+  }
+  for (int64_t k = 0; k < block.m; ++k) {
+    float* corrections = scratch + k * kRowsPerTask;
+    std::memcpy(corrections, block.corrections + k * block.rows + begin, count * sizeof(float));
+    std::fill(corrections + count, corrections + kRowsPerTask, 0.0f);
+  }
+  const bool ternary = block.levels == kTernaryLevels;
+  const float top = static_cast<float>(block.levels - 1);
+  for (int64_t k = 0; k < block.m; ++k) {
+    const float* weights = block.weights + k * block.rows + begin;
+    const float* corrections = scratch + k * kRowsPerTask;
+    float* residuals = block.residuals + k * block.rows + begin;
+    uint8_t* codes = block.codes + k * block.rows + begin;
+    const float diag = block.factor_diag[k];
+    for (int64_t i = 0; i < count; ++i) {
+      const float target = weights[i] + corrections[i];
+      float dequantized;
+      uint8_t code;
+      if (ternary) {  // grids.py: ties and zero levels go to code 0
+        const bool to_max = (target > 0.5f * second[i]) & (second[i] > 0.0f);
+        const bool to_min = (target < 0.5f * first[i]) & (first[i] < 0.0f);
+        code = to_max ? 2 : (to_min ? 1 : 0);
+        dequantized = to_max ? second[i] : (to_min ? first[i] : 0.0f);
+      } else {  // grids.py: clip(round(x / scale) + zero, 0, levels − 1), round half to even
+        const float level = std::min(std::max(std::nearbyint(target / first[i]) + second[i], 0.0f), top);
+        code = static_cast<uint8_t>(level);
+        dequantized = first[i] * (level - second[i]);
+      }
+      const float error = (target - dequantized) * diag;
+      squared[i] = squared[i] + error * error;
+      residual[i] = weights[i] - dequantized;
+      residuals[i] = residual[i];
+      codes[i] = code;
+    }
+    const float* scaled_row = block.scaled + k * block.m;
+    for (int64_t j = k + 1; j < block.m; ++j) {
+      const float factor = scaled_row[j];
+      float* later = scratch + j * kRowsPerTask;
+      for (int64_t i = 0; i < kRowsPerTask; ++i) later[i] = later[i] + residual[i] * factor;
+    }
+  }
+  std::memcpy(block.squared_errors + begin, squared, count * sizeof(float));
+}
+
+using RowsFunction = void (*)(const Block&, int64_t, int64_t, float*);
+
+void QuantizeRowsPortable(const Block& block, int64_t begin, int64_t count, float* scratch) {
+  QuantizeRows(block, begin, count, scratch);
+}
+
+__attribute__((target("avx2"))) void QuantizeRowsAvx2(const Block& block, int64_t begin, int64_t count,
+                                                      float* scratch) {
+  QuantizeRows(block, begin, count, scratch);
+}
+
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq"))) void QuantizeRowsAvx512(
+    const Block& block, int64_t begin, int64_t count, float* scratch) {
+  QuantizeRows(block, begin, count, scratch);
+}
+
+ffi::Error ShapeError(const std::string& what, Dims dims) {
+  return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": " + what + "; got " + ShapeString(dims));
+}
+
+bool SameLeading(Dims dims, Dims reference, size_t trailing, size_t reference_trailing) {
+  if (dims.size() < trailing || dims.size() - trailing != reference.size() - reference_trailing) return false;
+  return std::equal(dims.begin(), dims.end() - trailing, reference.begin());
+}
+
+ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights_t,
+                         ffi::Buffer<ffi::F32> corrections_t, ffi::Buffer<ffi::F32> scaled,
+                         ffi::Buffer<ffi::F32> factor_diag, ffi::Buffer<ffi::F32> params, int64_t levels,
+                         ffi::Result<ffi::Buffer<ffi::F32>> residuals_t,
+                         ffi::Result<ffi::Buffer<ffi::U8>> codes_t,
+                         ffi::Result<ffi::Buffer<ffi::F32>> squared_errors) {
+  const Dims dims = weights_t.dimensions();
+  if (dims.size() < 2) return ShapeError("weights_t must be [B..., m, rows]", dims);
+  const int64_t m = dims[dims.size() - 2];
+  const int64_t rows = dims[dims.size() - 1];
+  const auto same = [&](Dims other) { return std::equal(other.begin(), other.end(), dims.begin(), dims.end()); };
+  if (!same(corrections_t.dimensions())) {
+    return ShapeError("corrections_t must have weights_t's shape " + ShapeString(dims),
+                      corrections_t.dimensions());
+  }
+  const Dims scaled_dims = scaled.dimensions();
+  if (!SameLeading(scaled_dims, dims, 2, 2) || scaled_dims[scaled_dims.size() - 2] != m ||
+      scaled_dims[scaled_dims.size() - 1] != m) {
+    return ShapeError("scaled must be [B..., m, m] for weights_t " + ShapeString(dims), scaled_dims);
+  }
+  const Dims diag_dims = factor_diag.dimensions();
+  if (!SameLeading(diag_dims, dims, 1, 2) || diag_dims[diag_dims.size() - 1] != m) {
+    return ShapeError("factor_diag must be [B..., m] for weights_t " + ShapeString(dims), diag_dims);
+  }
+  const Dims params_dims = params.dimensions();
+  if (!SameLeading(params_dims, dims, 2, 2) || params_dims[params_dims.size() - 2] != rows ||
+      params_dims[params_dims.size() - 1] != 2) {
+    return ShapeError("params must be [B..., rows, 2] for weights_t " + ShapeString(dims), params_dims);
+  }
+  if (!same(residuals_t->dimensions()) || !same(codes_t->dimensions())) {
+    return ShapeError("residuals_t and codes_t must have weights_t's shape " + ShapeString(dims),
+                      residuals_t->dimensions());
+  }
+  const Dims errors_dims = squared_errors->dimensions();
+  if (!SameLeading(errors_dims, dims, 1, 2) || errors_dims[errors_dims.size() - 1] != rows) {
+    return ShapeError("squared_errors must be [B..., rows] for weights_t " + ShapeString(dims), errors_dims);
+  }
+  if (levels != kTernaryLevels && (levels < 2 || levels > kMaxLevels)) {
+    return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": levels must be 3 (ternary) or a minmax " +
+                                       "grid's 2 ... 256 codes; got " + std::to_string(levels));
+  }
+  const RowKernels* kernels;
+  if (auto error = SelectKernels(kGptqBlock, &kernels); error.failure()) return error;
+  const std::string_view isa = kernels->isa;
+  const RowsFunction quantize_rows = isa == "avx512" ? QuantizeRowsAvx512
+                                     : isa == "avx2" ? QuantizeRowsAvx2
+                                                     : QuantizeRowsPortable;
+
+  int64_t batch = 1;
+  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  if (batch == 0 || m == 0 || rows == 0) {
+    std::fill(squared_errors->typed_data(), squared_errors->typed_data() + batch * rows, 0.0f);
+    return ffi::Error::Success();
+  }
+  const int64_t chunks = (rows + kRowsPerTask - 1) / kRowsPerTask;
+  ParallelFor(pool, batch * chunks, [&](int64_t task) {
+    const int64_t b = task / chunks;
+    const int64_t begin = (task % chunks) * kRowsPerTask;
+    const Block block{weights_t.typed_data() + b * m * rows,
+                      corrections_t.typed_data() + b * m * rows,
+                      scaled.typed_data() + b * m * m,
+                      factor_diag.typed_data() + b * m,
+                      params.typed_data() + b * rows * 2,
+                      residuals_t->typed_data() + b * m * rows,
+                      codes_t->typed_data() + b * m * rows,
+                      squared_errors->typed_data() + b * rows,
+                      m,
+                      rows,
+                      levels};
+    thread_local std::vector<float> scratch;
+    scratch.resize(static_cast<size_t>(m * kRowsPerTask));
+    quantize_rows(block, begin, std::min(kRowsPerTask, rows - begin), scratch.data());
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace qmoe::cpu
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeGptqBlockCpu, qmoe::cpu::GptqBlockImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weights_t [B..., m, rows]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // corrections_t [B..., m, rows]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scaled [B..., m, m]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // factor_diag [B..., m]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // params [B..., rows, 2]
+                                  .Attr<int64_t>("levels")                  // 3 ternary, else minmax codes
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // residuals_t [B..., m, rows]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // codes_t [B..., m, rows]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // squared_errors [B..., rows]
