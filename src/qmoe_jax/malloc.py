@@ -11,13 +11,14 @@ buffers afresh on every call, and the big ones are big: a switch-base wo
 Hessian is 3072² float32, 36 MiB. glibc serves blocks over 32 MiB (and
 smaller ones once freed memory has been trimmed) with fresh ``mmap``s, so
 every call first-touches new 4 KiB pages: about 10,000 page faults per
-3072-column Cholesky, 250,000 per switch-base expert's GPTQ. glibc ≥ 2.35
+3072-column Cholesky, 35,000 per switch-base expert's GPTQ. glibc ≥ 2.35
 has a tunable, ``glibc.malloc.hugetlb=1``, that marks malloc's memory
 ``MADV_HUGEPAGE``; where the kernel's transparent huge pages are in
 ``madvise`` mode (the default of Debian and Ubuntu kernels), pages then come
-2 MiB at a time. Measured on a 2-core AMD EPYC (Zen 3) VM, alternating
-processes: 12× fewer page faults, and GPTQ on one switch-base expert went
-from 0.26-0.28 s to 0.22 s (README, Measured).
+2 MiB at a time. Measured on a 2-core AMD EPYC (Zen 3) VM in alternating
+processes (benchmarks/malloc_pages.py): about 1,000 page faults per expert
+instead of 35,000, and GPTQ on one switch-base expert 0.384 → 0.332 s
+(medians; README, Measured).
 
 glibc reads tunables once, when the process starts, so a command that wants
 it re-executes itself first thing (``os.execve`` with the same interpreter,
