@@ -266,7 +266,8 @@ def main():
           f"{'met' if final['fraction_of_matmul_executed'] >= GOAL else 'not met'}")
 
     report = dict(args=vars(args), cpu=cpu_model(), cpus=os.cpu_count(), jax_version=jax.__version__,
-                  malloc_huge_pages=malloc.huge_pages_status(), block_sizes=GPTQConfig().block_sizes, matmul_gflops_per_s=rate / 1e9,
+                  malloc_huge_pages=malloc.huge_pages_status(), block_sizes=GPTQConfig().block_sizes,
+                  matmul_gflops_per_s=rate / 1e9,
                   matmul_gflops_per_cpu_s=rate_per_cpu / 1e9, rows=rows, expert_totals=totals, goal=GOAL,
                   variants={name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
                   load_average_before=load_before, load_average_after=os.getloadavg())

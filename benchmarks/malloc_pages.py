@@ -66,7 +66,9 @@ def child(args) -> None:
     grid, config = GridConfig(), GPTQConfig()
     result = dict(huge_pages=malloc.huge_pages_status(), jax_version=jax.__version__)
     for name, weights, hessians in (("wi", weights_wi, hessians_wi), ("wo", weights_wo, hessians_wo)):
-        call = lambda: jax.block_until_ready(quantize_expert_group(weights, hessians, count, grid, config))  # noqa: B023,E731
+        def call():
+            return jax.block_until_ready(quantize_expert_group(weights, hessians, count, grid, config))  # noqa: B023
+
         call()  # compile
         seconds, faults = [], []
         for _ in range(args.repeats):
