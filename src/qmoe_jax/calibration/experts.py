@@ -177,7 +177,7 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
 
     def quantize(name: str, inputs_of: Callable[[slice], jax.Array], cols: int) -> None:
         """Hessians + GPTQ of one kernel, in calls of at most ``experts_per_call`` experts;
-        ``inputs_of(part)`` gives the kernel's inputs for those experts only (their first ``width`` tokens)."""
+        ``inputs_of(part)`` gives the kernel's inputs for those experts only."""
         experts = len(tokens.rows)
         rows = kernels[name].shape[2]  # T5X kernels are [g, in, out]: W has out rows
         step = settings.experts_per_call(rows, cols, experts)
@@ -185,7 +185,7 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         for start in range(0, experts, step):
             part = slice(start, start + step)
             started = time.perf_counter()
-            hessians, counts = expert_hessians(inputs_of(part), mask[part, :width])
+            hessians, counts = expert_hessians(inputs_of(part), mask[part])
             hessians.block_until_ready()
             seconds["hessian"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -199,19 +199,19 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         quantized[name] = QuantizedKernel(np.concatenate(codes), np.concatenate(params))
 
     def hidden_of(part: slice) -> jax.Array:
-        """wo's inputs for the experts of ``part`` and their first ``width`` tokens: activations through the
-        original input kernels (QMoE), or through the quantized ones (true-sequential)."""
+        """wo's inputs for the experts of ``part``: activations through the original input
+        kernels (QMoE), or through the quantized ones (true-sequential)."""
         if settings.true_sequential:
             in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(part), settings.grid) for n in names}
         else:
             in_kernels = {n: jnp.asarray(kernels[n][part], jnp.float32) for n in names}
-        return jax.vmap(lambda xs, ks: expert_hidden(config, ks, xs))(x[part, :width], in_kernels)
+        return jax.vmap(lambda xs, ks: expert_hidden(config, ks, xs))(x[part], in_kernels)
 
     width = hessian_width(tokens.hessian_mask)  # one width for all calls: one compile per shape
-    mask = jnp.asarray(tokens.hessian_mask)
-    x = jnp.asarray(inputs)
+    mask = jnp.asarray(tokens.hessian_mask[:, :width])
+    x = jnp.asarray(inputs[:, :width])
     for name in names:
-        quantize(name, lambda part: x[part, :width], config.d_model)
+        quantize(name, lambda part: x[part], config.d_model)
     quantize("wo", hidden_of, config.d_ff)
     return quantized, fallback, seconds
 
