@@ -168,6 +168,7 @@ def main():
     config = measured_config(args.experts)
     args.work_dir = fresh_work_dir(args.work_dir, ".qmoe_compress_time_benchmark")
     load_before = os.getloadavg()
+    huge_pages = malloc.huge_pages_status()
     checkpoint = write_t5x_checkpoint(os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1)
     config_path = os.path.join(args.work_dir, "config.json")
     with open(config_path, "w") as f:
@@ -179,7 +180,7 @@ def main():
     print(f"\ncompression of switch-base-shaped sparse layers (d_model {config.d_model}, d_ff {config.d_ff}, "
           f"{args.experts} experts; one per stack), {args.num_samples} calibration samples; {cpu_model()}, "
           f"{os.cpu_count()} CPUs, load average {load_before[0]:.1f} (shared machine); the CLI's malloc huge pages "
-          f"{malloc.huge_pages_status()}")
+          f"{huge_pages}")
     print("the CLI printed: " + " ".join(run["printed"]))
     print(f"{'':>22} " + " ".join(f"{phase:>8}" for phase in PHASES + ("total",)))
     print(f"{'whole run':>22} " + " ".join(f"{run['phases'][phase]:>7.1f}s" for phase in PHASES + ("total",)))
@@ -201,7 +202,8 @@ def main():
           "a checkpoint larger than RAM reads at the disk's rate")
 
     result = dict(config=dataclasses.asdict(config), cpu=cpu_model(), cpus=os.cpu_count(), args=vars(args),
-                  malloc_huge_pages=malloc.huge_pages_status(), checkpoint_bytes=directory_bytes(checkpoint), run=run, projections=projections,
+                  malloc_huge_pages=huge_pages, checkpoint_bytes=directory_bytes(checkpoint), run=run,
+                  projections=projections,
                   projection_is_an_estimate=True, load_average_before=load_before, load_average_after=os.getloadavg())
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

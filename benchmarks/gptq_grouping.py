@@ -182,6 +182,7 @@ def main():
     args = parse_args()
     grid, config = GridConfig(), GPTQConfig()
     load_before = os.getloadavg()
+    huge_pages = malloc.huge_pages_status()
     weights_wi, hessians_wi, weights_wo, hessians_wo = synthetic_layer(args)
     matrices = [(weights_wi, hessians_wi), (weights_wo, hessians_wo)]
     tokens = jnp.full((args.experts,), args.tokens, jnp.int32)
@@ -215,7 +216,7 @@ def main():
     print(f"dense f32 matmul ({MATMUL_SIZE}^2): {rate / 1e9:.1f} GFLOP/s, {rate_per_cpu / 1e9:.1f} GFLOP per CPU s; "
           f"GPTQ FLOPs executed {flops / 1e9:.1f} G (minimal {flops_min / 1e9:.1f} G); jax {jax.__version__}, "
           f"{jax.device_count()} device(s), {os.cpu_count()} CPUs, OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}, "
-          f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {malloc.huge_pages_status()}")
+          f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {huge_pages}")
     print(f"{'|E|':>4} {'layer s':>8} {'speedup':>8} {'cpu s':>7} {'speedup':>8} {'Cholesky s':>11} {'(cpu s)':>8} "
           f"{'GFLOP/s':>8} {'of matmul':>10} {'(per cpu s)':>12} {'compile s':>10}")
     for row in rows:
@@ -230,7 +231,8 @@ def main():
     print(f"paper ({PAPER['model']}): |E|=1 {PAPER['seconds'][1]} s, |E|=16 {PAPER['seconds'][16]} s, "
           f"{PAPER['seconds'][1] / PAPER['seconds'][16]:.1f}x")
 
-    report = dict(args=vars(args), malloc_huge_pages=malloc.huge_pages_status(), block_sizes=config.block_sizes, matmul_gflops_per_s=rate / 1e9,
+    report = dict(args=vars(args), malloc_huge_pages=huge_pages, block_sizes=config.block_sizes,
+                  matmul_gflops_per_s=rate / 1e9,
                   matmul_gflops_per_cpu_s=rate_per_cpu / 1e9,
                   gflops_executed=flops / 1e9, gflops_minimal=flops_min / 1e9, rows=rows, paper=PAPER,
                   load_average_before=load_before, load_average_after=os.getloadavg(), cpus=os.cpu_count(),

@@ -219,6 +219,7 @@ def main():
     args = parse_args()
     grid = GridConfig()
     load_before = os.getloadavg()
+    huge_pages = malloc.huge_pages_status()
     rate_before = matmul_rate()
     rows = [row for tokens in args.tokens for row in measure_tokens(args, tokens, grid)]
     rate, rate_per_cpu = np.maximum(rate_before, matmul_rate())
@@ -227,7 +228,7 @@ def main():
 
     print(f"GPTQ on one expert (d_model {args.d_model}, d_ff {args.d_ff}), ternary, block sizes "
           f"{GPTQConfig().block_sizes}; {cpu_model()}, {os.cpu_count()} CPUs, jax {jax.__version__}, "
-          f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {malloc.huge_pages_status()}")
+          f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {huge_pages}")
     print(f"dense f32 matmul (2048^2): {rate / 1e9:.1f} GFLOP/s, {rate_per_cpu / 1e9:.1f} GFLOP per CPU second; "
           f"'of mm': the fraction of the matmul rate per wall second (per CPU second in brackets, steadier "
           f"when other work shares the cores)")
@@ -266,7 +267,7 @@ def main():
           f"{'met' if final['fraction_of_matmul_executed'] >= GOAL else 'not met'}")
 
     report = dict(args=vars(args), cpu=cpu_model(), cpus=os.cpu_count(), jax_version=jax.__version__,
-                  malloc_huge_pages=malloc.huge_pages_status(), block_sizes=GPTQConfig().block_sizes,
+                  malloc_huge_pages=huge_pages, block_sizes=GPTQConfig().block_sizes,
                   matmul_gflops_per_s=rate / 1e9,
                   matmul_gflops_per_cpu_s=rate_per_cpu / 1e9, rows=rows, expert_totals=totals, goal=GOAL,
                   variants={name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
