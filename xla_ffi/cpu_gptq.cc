@@ -46,57 +46,97 @@ struct Block {
   int64_t levels;
 };
 
+// Copies `count` floats (at most kRowsPerTask); full tasks copy a constant size, which the compiler
+// inlines as a few vector moves instead of calling memcpy for each column.
+__attribute__((always_inline)) inline void CopyRows(float* to, const float* from, int64_t count) {
+  if (count == kRowsPerTask) {
+    std::memcpy(to, from, kRowsPerTask * sizeof(float));
+  } else {
+    std::memcpy(to, from, count * sizeof(float));
+  }
+}
+
+// Rounds the targets of kRowsPerTask rows to their grids (grids.py's `quantize`, tie rules included),
+// without branches, so that the loop vectorizes (random data made the branches mispredict: they took most
+// of the kernel's time). Padding rows (past the matrix's end) hold grid parameters that keep them at code 0.
+__attribute__((always_inline)) inline void RoundTargets(const float* target, const float* first,
+                                                        const float* second, bool ternary, float top,
+                                                        float* dequantized, float* code) {
+  if (ternary) {  // first = min, second = max; ties and zero levels go to code 0
+    for (int64_t i = 0; i < kRowsPerTask; ++i) {
+      const bool to_max = (target[i] > 0.5f * second[i]) & (second[i] > 0.0f);
+      const bool to_min = (target[i] < 0.5f * first[i]) & (first[i] < 0.0f);
+      dequantized[i] = to_max ? second[i] : (to_min ? first[i] : 0.0f);
+      code[i] = to_max ? 2.0f : (to_min ? 1.0f : 0.0f);
+    }
+  } else {  // first = scale, second = zero: clip(round(x / scale) + zero, 0, levels − 1), round half to even
+    for (int64_t i = 0; i < kRowsPerTask; ++i) {
+      const float level = std::min(std::max(std::nearbyint(target[i] / first[i]) + second[i], 0.0f), top);
+      code[i] = level;
+      dequantized[i] = first[i] * (level - second[i]);
+    }
+  }
+}
+
 // Rows [begin, begin + count) of `block` (count <= kRowsPerTask); `scratch` holds
-// m * kRowsPerTask floats.
+// m * kRowsPerTask floats. Every loop runs over all kRowsPerTask rows: rows past
+// `count` carry weights and corrections 0, so their residuals stay 0 and they
+// never change the others.
 __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int64_t begin, int64_t count,
                                                         float* scratch) {
-  // Ternary: first = min, second = max; minmax: first = scale, second = zero.
+  const bool ternary = block.levels == kTernaryLevels;
+  const float top = static_cast<float>(block.levels - 1);
+  // Ternary: first = min, second = max; minmax: first = scale, second = zero. Padding rows get a grid
+  // that rounds their zero targets to code 0: ternary (0, 0), minmax scale 1, zero 0.
   float first[kRowsPerTask], second[kRowsPerTask], squared[kRowsPerTask], residual[kRowsPerTask];
+  float weights[kRowsPerTask], target[kRowsPerTask], dequantized[kRowsPerTask], code[kRowsPerTask];
   for (int64_t i = 0; i < kRowsPerTask; ++i) {
     const bool in = i < count;
-    first[i] = in ? block.params[2 * (begin + i)] : 0.0f;
+    first[i] = in ? block.params[2 * (begin + i)] : (ternary ? 0.0f : 1.0f);
     second[i] = in ? block.params[2 * (begin + i) + 1] : 0.0f;
     squared[i] = 0.0f;
-    residual[i] = 0.0f;  // rows past `count` keep D = 0: their corrections never change
+    weights[i] = 0.0f;
   }
   for (int64_t k = 0; k < block.m; ++k) {
     float* corrections = scratch + k * kRowsPerTask;
-    std::memcpy(corrections, block.corrections + k * block.rows + begin, count * sizeof(float));
+    CopyRows(corrections, block.corrections + k * block.rows + begin, count);
     std::fill(corrections + count, corrections + kRowsPerTask, 0.0f);
   }
-  const bool ternary = block.levels == kTernaryLevels;
-  const float top = static_cast<float>(block.levels - 1);
-  for (int64_t k = 0; k < block.m; ++k) {
-    const float* weights = block.weights + k * block.rows + begin;
+  // Column k: round its targets, record residuals and codes, accumulate squared errors.
+  const auto quantize_column = [&](int64_t k, float* residual) __attribute__((always_inline)) {
+    CopyRows(weights, block.weights + k * block.rows + begin, count);
     const float* corrections = scratch + k * kRowsPerTask;
-    float* residuals = block.residuals + k * block.rows + begin;
-    uint8_t* codes = block.codes + k * block.rows + begin;
     const float diag = block.factor_diag[k];
-    for (int64_t i = 0; i < count; ++i) {
-      const float target = weights[i] + corrections[i];
-      float dequantized;
-      uint8_t code;
-      if (ternary) {  // grids.py: ties and zero levels go to code 0
-        const bool to_max = (target > 0.5f * second[i]) & (second[i] > 0.0f);
-        const bool to_min = (target < 0.5f * first[i]) & (first[i] < 0.0f);
-        code = to_max ? 2 : (to_min ? 1 : 0);
-        dequantized = to_max ? second[i] : (to_min ? first[i] : 0.0f);
-      } else {  // grids.py: clip(round(x / scale) + zero, 0, levels − 1), round half to even
-        const float level = std::min(std::max(std::nearbyint(target / first[i]) + second[i], 0.0f), top);
-        code = static_cast<uint8_t>(level);
-        dequantized = first[i] * (level - second[i]);
-      }
-      const float error = (target - dequantized) * diag;
+    for (int64_t i = 0; i < kRowsPerTask; ++i) target[i] = weights[i] + corrections[i];
+    RoundTargets(target, first, second, ternary, top, dequantized, code);
+    for (int64_t i = 0; i < kRowsPerTask; ++i) {
+      const float error = (target[i] - dequantized[i]) * diag;
       squared[i] = squared[i] + error * error;
-      residual[i] = weights[i] - dequantized;
-      residuals[i] = residual[i];
-      codes[i] = code;
+      residual[i] = weights[i] - dequantized[i];
     }
-    const float* scaled_row = block.scaled + k * block.m;
-    for (int64_t j = k + 1; j < block.m; ++j) {
-      const float factor = scaled_row[j];
+    CopyRows(block.residuals + k * block.rows + begin, residual, count);
+    uint8_t* codes = block.codes + k * block.rows + begin;
+    for (int64_t i = 0; i < count; ++i) codes[i] = static_cast<uint8_t>(code[i]);
+  };
+  // Columns in pairs (k, k + 1): k's residual goes to column k + 1 first, which is then rounded, and both
+  // residuals go to the later columns in one pass, each correction still rounded after each product and
+  // each sum in the same order as one column at a time (so the bits are the same), with half the loads
+  // and stores of the corrections.
+  float paired[kRowsPerTask];
+  for (int64_t k = 0; k < block.m; k += 2) {
+    quantize_column(k, residual);
+    const float* row_k = block.scaled + k * block.m;
+    if (k + 1 == block.m) break;
+    float* next = scratch + (k + 1) * kRowsPerTask;
+    for (int64_t i = 0; i < kRowsPerTask; ++i) next[i] = next[i] + residual[i] * row_k[k + 1];
+    quantize_column(k + 1, paired);
+    const float* row_next = block.scaled + (k + 1) * block.m;
+    for (int64_t j = k + 2; j < block.m; ++j) {
+      const float factor = row_k[j], factor_next = row_next[j];
       float* later = scratch + j * kRowsPerTask;
-      for (int64_t i = 0; i < kRowsPerTask; ++i) later[i] = later[i] + residual[i] * factor;
+      for (int64_t i = 0; i < kRowsPerTask; ++i) {
+        later[i] = (later[i] + residual[i] * factor) + paired[i] * factor_next;
+      }
     }
   }
   std::memcpy(block.squared_errors + begin, squared, count * sizeof(float));
