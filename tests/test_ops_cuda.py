@@ -46,7 +46,8 @@ needs_gpu = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reas
 
 def test_cuda_targets_registered_iff_built_with_cuda():
     registrations = _kernels._qmoe_ext.registrations()
-    assert set(registrations["cpu"]) == TARGETS | {"qmoe_gptq_block"}  # GPTQ's block kernel is CPU-only
+    # GPTQ's block kernel and the Cholesky's base kernel are CPU-only
+    assert set(registrations["cpu"]) == TARGETS | {"qmoe_gptq_block", "qmoe_cholesky_base"}
     assert ("CUDA" in registrations) == ops.has_cuda_kernels()
     if ops.has_cuda_kernels():
         assert set(registrations["CUDA"]) == TARGETS

@@ -1,3 +1,4 @@
+import functools
 import math
 
 import jax
@@ -14,9 +15,15 @@ def _reversed_as_lower(factor):
     return lambda matrices: factor(np.asarray(matrices)[..., ::-1, ::-1])[..., ::-1, ::-1]
 
 
-FACTORS = {"cholesky": jax.jit(cholesky), "reversed_cholesky": _reversed_as_lower(jax.jit(reversed_cholesky))}
-BATCHED = {"cholesky": jax.jit(jax.vmap(cholesky)),
-           "reversed_cholesky": _reversed_as_lower(jax.jit(jax.vmap(reversed_cholesky)))}
+def _variants(factor, name):
+    """The factor with its diagonal blocks in the CPU kernel (the default) and in the jnp loop (its twin)."""
+    return {name: functools.partial(factor, native=True), f"{name}_jnp": functools.partial(factor, native=False)}
+
+
+_FUNCTIONS = {**_variants(cholesky, "cholesky"), **_variants(reversed_cholesky, "reversed_cholesky")}
+_AS_LOWER = {name: (_reversed_as_lower if name.startswith("reversed") else (lambda factor: factor)) for name in _FUNCTIONS}
+FACTORS = {name: _AS_LOWER[name](jax.jit(function)) for name, function in _FUNCTIONS.items()}
+BATCHED = {name: _AS_LOWER[name](jax.jit(jax.vmap(function))) for name, function in _FUNCTIONS.items()}
 factors = pytest.mark.parametrize("name", list(FACTORS))
 
 

@@ -2,6 +2,7 @@
 // XLA FFI handler capsules. Each source file registers its own functions.
 #include <pybind11/pybind11.h>
 
+#include "cpu_cholesky.h"
 #include "cpu_gptq.h"
 #include "cpu_kernels.h"
 #include "encoder.h"
@@ -25,6 +26,7 @@ py::dict Registrations() {
   cpu["qmoe_matmul_t"] = Capsule(QmoeMatmulTransposedCpu);
   cpu["qmoe_dequantize"] = Capsule(QmoeDequantizeCpu);
   cpu["qmoe_gptq_block"] = Capsule(QmoeGptqBlockCpu);
+  cpu["qmoe_cholesky_base"] = Capsule(QmoeCholeskyBaseCpu);
   platforms["cpu"] = cpu;
 #ifdef QMOE_WITH_CUDA
   py::dict cuda;

@@ -1,6 +1,7 @@
 """Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h;
 CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), and of
-GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``).
+GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``) and the CPU kernel for the
+Cholesky's diagonal blocks (xla_ffi/cpu_cholesky.h, ``cholesky_base_call``).
 
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
@@ -34,6 +35,7 @@ MATMUL = "qmoe_matmul"
 MATMUL_TRANSPOSED = "qmoe_matmul_t"
 DEQUANTIZE = "qmoe_dequantize"
 GPTQ_BLOCK = "qmoe_gptq_block"
+CHOLESKY_BASE = "qmoe_cholesky_base"
 PLUS_SLOTS = 8
 MINUS_SLOTS = 7
 UNUSED_SLOT = 31
@@ -192,6 +194,23 @@ def dequantize_call(static: Static, codes, row_offsets, minmax):
     )
 
 
+def _varying_like(results, reference):
+    """FFI results marked as varying over the shard_map axes ``reference`` varies over: an ffi_call's results carry
+    no varying axes, so inside ``shard_map`` (with its default check_vma) a ``lax.platform_dependent`` between
+    a kernel and its jnp twin would otherwise have branches of different types."""
+    aval = jax.typeof(reference)
+    axes = getattr(aval, "vma", None)  # jax before 0.10; since then the manual axis type's varying axes
+    if axes is None:
+        axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or ()
+    axes = tuple(sorted(axes))
+    if not axes:
+        return results
+    cast = getattr(jax.lax, "pcast", None)
+    if cast is not None:
+        return jax.tree.map(lambda result: cast(result, axes, to="varying"), results)
+    return jax.tree.map(lambda result: jax.lax.pvary(result, axes), results)  # jax before pcast
+
+
 def gptq_block_call(weights_t, corrections_t, scaled, factor_diag, params, levels: int):
     """GPTQ's column recurrence inside one block of m columns, on the CPU (xla_ffi/cpu_gptq.h).
 
@@ -212,9 +231,20 @@ def gptq_block_call(weights_t, corrections_t, scaled, factor_diag, params, level
                          f"{jnp.shape(scaled)}, {jnp.shape(factor_diag)}, {jnp.shape(params)}")
     result = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.uint8),
               jax.ShapeDtypeStruct((*shape[:-2], shape[-1]), jnp.float32))
-    return jax.ffi.ffi_call(GPTQ_BLOCK, result, vmap_method="broadcast_all")(
+    results = jax.ffi.ffi_call(GPTQ_BLOCK, result, vmap_method="broadcast_all")(
         weights_t, jnp.asarray(corrections_t, jnp.float32), jnp.asarray(scaled, jnp.float32),
         jnp.asarray(factor_diag, jnp.float32), jnp.asarray(params, jnp.float32), levels=np.int64(levels))
+    return _varying_like(results, weights_t)
+
+
+def cholesky_base_call(matrix):
+    """(L, L⁻¹) of SPD matrices A[B..., n, n] (lower triangle read), on the CPU (xla_ffi/cpu_cholesky.h): the
+    diagonal blocks of quant/linalg.py's Cholesky, whose ``_base_factor`` is its jnp twin."""
+    matrix = jnp.asarray(matrix, jnp.float32)
+    if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2]:
+        raise ValueError(f"cholesky_base_call expects matrices [B..., n, n]; got {matrix.shape}")
+    result = jax.ShapeDtypeStruct(matrix.shape, jnp.float32)
+    return _varying_like(jax.ffi.ffi_call(CHOLESKY_BASE, (result, result), vmap_method="broadcast_all")(matrix), matrix)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

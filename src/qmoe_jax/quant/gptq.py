@@ -85,6 +85,9 @@ class GPTQConfig:
       native_block: on CPU, the columns inside each block run in the native kernel (xla_ffi/cpu_gptq.h:
         rows in parallel, each row's corrections in L1; sub_block_size is then unused); False, and on
         other platforms: the jnp levels. The two differ only by the order of float sums.
+      native_cholesky: on CPU, the diagonal blocks of H's Cholesky run in the native kernel
+        (xla_ffi/cpu_cholesky.h); False, and on other platforms: linalg.py's jnp loop. The two differ
+        only by the order of float sums.
     """
 
     block_size: int = 128
@@ -93,6 +96,7 @@ class GPTQConfig:
     sub_block_size: int = 16
     unroll_blocks: bool = True
     native_block: bool = True
+    native_cholesky: bool = True
 
     def __post_init__(self):
         if not (isinstance(self.block_size, int) and self.block_size > 0):
@@ -126,13 +130,14 @@ class GPTQResult(NamedTuple):
     loss: jax.Array
 
 
-def hessian_factor(hessian: jax.Array) -> jax.Array:
+def hessian_factor(hessian: jax.Array, native: bool = True) -> jax.Array:
     """R, upper triangular with H = R·Rᵀ, for a positive definite H[n, n] (non-finite entries if it is not).
 
-    U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself. The Cholesky is linalg.py's, in plain lax:
-    jaxlib's batched LAPACK kernels can deadlock when several host devices run them at once.
+    U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself. The Cholesky is linalg.py's, in plain lax
+    and (with ``native``, on CPU) its native kernel for the diagonal blocks: jaxlib's batched LAPACK kernels
+    can deadlock when several host devices run them at once.
     """
-    return reversed_cholesky(hessian)
+    return reversed_cholesky(hessian, native=native)
 
 
 def _columns(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig):
@@ -266,7 +271,7 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     if config.act_order:
         order = jnp.argsort(-diag)
         hessian, weights, dead = hessian[order][:, order], weights[:, order], dead[order]
-    factor = hessian_factor(hessian)
+    factor = hessian_factor(hessian, config.native_cholesky)
     ok = jnp.isfinite(factor).all() & ~dead.all()
     factor = jnp.where(ok, factor, jnp.eye(cols, dtype=jnp.float32))
     weights = jnp.where(ok & dead[None, :], 0.0, weights)

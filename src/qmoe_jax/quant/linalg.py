@@ -9,8 +9,11 @@ for the rows below it,
     P = A[s:, s:e] − L[s:, :s]·L[s:e, :s]ᵀ,
     L[s:e, s:e] = chol(P[:e−s]),   L[e:, s:e] = P[e−s:]·L[s:e, s:e]⁻ᵀ.
 
-The diagonal block is factored column by column in one ``fori_loop``, which
-also inverts its L row by row (for the solve). Nearly all the work is the
+The diagonal block is factored column by column, which also inverts its L
+row by row (for the solve): on CPU in a native kernel (the FFI target
+``qmoe_cholesky_base``, xla_ffi/cpu_cholesky.h; ``native=False`` turns it
+off), elsewhere in one ``fori_loop`` (``_base_factor``, its twin), whose
+per-column steps cost XLA:CPU more than their arithmetic. Nearly all the work is the
 first matmul, which only ever forms the columns being factored: about n³/3
 FLOPs in all, what a Cholesky needs (an earlier recursive form, which also
 formed the inverses of its leading halves, ran 2.3× that at n = 3072).
@@ -20,7 +23,9 @@ batched calls go to jaxlib's LAPACK kernels, which split the batch into tasks
 on XLA's intra-op thread pool and block until they finish. When several host
 devices run such a call at once, every pool thread can be one of the blocked
 callers and the tasks never run: multi-device compression hung. Here
-everything is ordinary XLA ops, which no pool thread blocks on.
+everything is ordinary XLA ops, which no pool thread blocks on, and the
+native kernel, which runs its batch items on the pool but never waits on a
+task that has not started (xla_ffi/cpu_parallel.h).
 
 Failures are data: where A is not positive definite, the first pivot that is
 not > 0 (or is NaN) becomes NaN, and so does L on and below the diagonal
@@ -36,7 +41,10 @@ in some programs only, so divisions by a pivot are written as that product;
 and XLA:CPU computes a·b + c as one FMA (rounded once) when both ops land in
 one fused kernel, so a product that callers add to something else can be
 made exact (``exact_product``), which rounds alike either way. The matmuls
-keep it (tests check all of this).
+keep it, and so does the native kernel, which rounds every product and sum
+on its own in a fixed order, alike on every instruction set; its sums come
+in another order than the twin's, so the two differ by rounding only (tests
+check all of this).
 """
 
 from __future__ import annotations
@@ -74,7 +82,21 @@ def _base_factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lax.fori_loop(0, size, step, (jnp.zeros_like(matrix), jnp.zeros_like(matrix)))
 
 
-def _factor(matrix: jax.Array, from_end: bool) -> jax.Array:
+def _diagonal_factor(matrix: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
+    """(L, L⁻¹) of a diagonal block: with ``native``, the CPU kernel where the program runs on CPU and
+    ``_base_factor`` elsewhere; else ``_base_factor``."""
+    if not native:
+        return _base_factor(matrix)
+
+    def native_factor(matrix):
+        from qmoe_jax._kernels import cholesky_base_call  # the native extension, loaded only where it is used
+
+        return cholesky_base_call(matrix)
+
+    return lax.platform_dependent(matrix, cpu=native_factor, default=_base_factor)
+
+
+def _factor(matrix: jax.Array, from_end: bool, native: bool) -> jax.Array:
     """L (module docstring), or with ``from_end`` R = J·chol(J·A·J)·J (J reverses the order of rows or columns)
     without reversing A or the result: the same steps on blocks taken from the last columns back, each index i
     of the reversed problem being n − 1 − i here, so R is upper triangular and A = R·Rᵀ. Every block's shapes
@@ -82,7 +104,7 @@ def _factor(matrix: jax.Array, from_end: bool) -> jax.Array:
     size = matrix.shape[-1]
     flip = (lambda block: block[::-1, ::-1]) if from_end else (lambda block: block)  # only BASE_SIZE blocks
     if size <= BASE_SIZE:  # one block; not an update of zeros: XLA's simplifier aborted on reversing that
-        return flip(_base_factor(flip(matrix))[0])
+        return flip(_diagonal_factor(flip(matrix), native)[0])
     factor = jnp.zeros_like(matrix)
     for done in range(0, size, BASE_SIZE):
         width = min(BASE_SIZE, size - done)
@@ -91,14 +113,14 @@ def _factor(matrix: jax.Array, from_end: bool) -> jax.Array:
             panel = matrix[:stop, start:stop]
             if done:
                 panel = panel - _matmul(factor[:stop, stop:], factor[start:stop, stop:].T)
-            block, block_inverse = (flip(part) for part in _base_factor(flip(panel[start:])))
+            block, block_inverse = (flip(part) for part in _diagonal_factor(flip(panel[start:]), native))
             rest, solve = slice(0, start), panel[:start]
         else:  # block columns start:stop, done = the columns before them, rest = the rows after them
             start, stop = done, done + width
             panel = matrix[start:, start:stop]
             if done:
                 panel = panel - _matmul(factor[start:, :start], factor[start:stop, :start].T)
-            block, block_inverse = _base_factor(panel[:width])
+            block, block_inverse = _diagonal_factor(panel[:width], native)
             rest, solve = slice(stop, size), panel[width:]
         factor = factor.at[start:stop, start:stop].set(block)
         if done + width < size:
@@ -106,20 +128,22 @@ def _factor(matrix: jax.Array, from_end: bool) -> jax.Array:
     return factor
 
 
-def cholesky(matrix: jax.Array) -> jax.Array:
+def cholesky(matrix: jax.Array, native: bool = True) -> jax.Array:
     """Lower Cholesky factor L of an SPD matrix A[n, n] (A = L·Lᵀ), reading only A's lower triangle;
-    NaNs from the first failing column on where A is not positive definite."""
+    NaNs from the first failing column on where A is not positive definite. ``native``: the diagonal blocks in
+    the CPU kernel where the program runs on CPU (module docstring)."""
     _check_square(matrix, "cholesky")
-    return _factor(matrix, from_end=False)
+    return _factor(matrix, from_end=False, native=native)
 
 
-def reversed_cholesky(matrix: jax.Array) -> jax.Array:
+def reversed_cholesky(matrix: jax.Array, native: bool = True) -> jax.Array:
     """Upper triangular R with A = R·Rᵀ for an SPD matrix A[n, n]: the Cholesky factor of A with the order of
     rows and columns reversed (``cholesky(A[::-1, ::-1])[::-1, ::-1]`` up to float rounding), reading only A's
     upper triangle. It runs from the last column to the first, so where A is not positive definite, the first
-    failing column met that way and every column before it are NaN on and above the diagonal."""
+    failing column met that way and every column before it are NaN on and above the diagonal. ``native`` as in
+    ``cholesky``."""
     _check_square(matrix, "reversed_cholesky")
-    return _factor(matrix, from_end=True)
+    return _factor(matrix, from_end=True, native=native)
 
 
 def _check_square(matrix: jax.Array, name: str) -> None:
