@@ -163,9 +163,10 @@ def compile_seconds(matrices, tokens, group_size, grid, config) -> float:
     return total
 
 
-def factor_seconds(matrices, group_size, damping) -> tuple[float, float]:
-    """(wall, CPU) seconds of the batched Cholesky factorizations alone, for the whole layer."""
-    factor = jax.jit(jax.vmap(hessian_factor))
+def factor_seconds(matrices, group_size, damping, native: bool = True) -> tuple[float, float]:
+    """(wall, CPU) seconds of the batched Cholesky factorizations alone, for the whole layer (``native``: the
+    diagonal blocks in the CPU kernel, as GPTQConfig.native_cholesky)."""
+    factor = jax.jit(jax.vmap(functools.partial(hessian_factor, native=native)))
     wall = cpu = 0.0
     for _, hessians in matrices:
         diagonal_mean = jnp.mean(jnp.diagonal(hessians, axis1=1, axis2=2), axis=1)

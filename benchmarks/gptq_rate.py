@@ -4,12 +4,14 @@ Both matrices of one expert in y = W·x orientation (wi: W[3072, 768], H[768, 76
 wo: W[768, 3072], H[3072, 3072]), with Hessians from 1024 and 8192 synthetic
 correlated calibration tokens (gptq_grouping.py's layer with one expert). Each
 matrix is quantized the way the calibration pass does it (`quantize_expert_group`,
-one expert per call), in three variants taking turns in one run: "unrolled" (the
+one expert per call), in four variants taking turns in one run: "unrolled" (the
 default: outer block loop unrolled, the columns inside each block in the native CPU
-kernel, GPTQConfig.native_block), "fori_loop" (a fori_loop over blocks, the same
-kernel inside; its codes must equal unrolled's bit for bit) and "jnp_block" (unrolled,
-the jnp levels inside each block: the solver before the native kernel; its codes
-differ by float rounding only, and the fraction equal to unrolled's is printed).
+kernel, GPTQConfig.native_block, and the Cholesky's diagonal blocks in theirs,
+GPTQConfig.native_cholesky), "fori_loop" (a fori_loop over blocks, the same kernels;
+its codes must equal unrolled's bit for bit), "jnp_block" (unrolled, the jnp levels
+inside each block) and "jnp_cholesky" (unrolled, the Cholesky's diagonal blocks in
+its jnp loop). The last two differ from unrolled by float rounding only, and the
+fraction of codes equal to unrolled's is printed.
 
 Reported per token count, matrix and variant: seconds (best of --repeats), GFLOP/s and
 the fraction of the dense matmul rate (jnp.dot 2048x2048 f32, best of before and
@@ -63,7 +65,7 @@ from qmoe_jax.quant.linalg import BASE_SIZE
 GOAL = 0.60
 gptq_module = importlib.import_module("qmoe_jax.quant.gptq")  # the module (qmoe_jax.quant.gptq is the function)
 VARIANTS = {"unrolled": GPTQConfig(), "fori_loop": GPTQConfig(unroll_blocks=False),
-            "jnp_block": GPTQConfig(native_block=False)}
+            "jnp_block": GPTQConfig(native_block=False), "jnp_cholesky": GPTQConfig(native_cholesky=False)}
 
 
 def parse_args():
@@ -79,14 +81,16 @@ def parse_args():
     return args
 
 
-def cholesky_executed_flops(size: int) -> float:
+def cholesky_executed_flops(size: int, native: bool = True) -> float:
     """FLOPs quant/linalg.py's blockwise left-looking Cholesky executes on [size, size]: per block of columns
-    s:e, the update of rows s: from columns :s, the diagonal block's factor and inverse, the solve below it."""
+    s:e, the update of rows s: from columns :s, the diagonal block's factor and inverse (``native``: in the CPU
+    kernel, which skips the zeros of both triangles), the solve below it."""
     flops = 0.0
     for start in range(0, size, BASE_SIZE):
         width = min(BASE_SIZE, size - start)
         flops += 2.0 * (size - start) * start * width  # P = A[s:, s:e] − L[s:, :s]·L[s:e, :s]ᵀ
-        flops += 4.0 * width**3  # per column a matvec with L and one with L⁻¹, both full width
+        # the jnp loop: per column a matvec with L and one with L⁻¹, both full width; the kernel: triangles only
+        flops += (2.0 / 3.0 if native else 4.0) * width**3
         flops += 2.0 * (size - start - width) * width * width  # P[e−s:]·L[s:e, s:e]⁻ᵀ
     return flops
 
@@ -157,8 +161,9 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
             for variant, config in VARIANTS.items():
                 runs[variant].append(timed(lambda: jax.block_until_ready(  # noqa: B023 (called at once)
                     quantize_expert_group(weights, hessians, count, grid, config)))[:2])
-        factor_s = min(factor_seconds([(weights, hessians)], 1, VARIANTS["unrolled"].damping)[0]
-                       for _ in range(args.repeats))
+        factor_s = {native: min(factor_seconds([(weights, hessians)], 1, VARIANTS["unrolled"].damping, native)[0]
+                                for _ in range(args.repeats))
+                    for native in {config.native_cholesky for config in VARIANTS.values()}}
         identical = all(np.array_equal(np.asarray(getattr(results["unrolled"], field)),
                                        np.asarray(getattr(results["fori_loop"], field)))
                         for field in ("codes", "grid_params", "fallback"))
@@ -170,11 +175,11 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                 tokens=tokens, matrix=name, rows=out_rows, cols=cols, variant=variant,
                 seconds=seconds, cpu_seconds=min(run[1] for run in runs[variant]),
                 # first call minus the best; ~0 where an earlier token count compiled the same shapes
-                compile_seconds=compile_s[variant] - seconds, cholesky_seconds=factor_s,
-                sweep_seconds=max(seconds - factor_s, 0.0),
+                compile_seconds=compile_s[variant] - seconds, cholesky_seconds=factor_s[config.native_cholesky],
+                sweep_seconds=max(seconds - factor_s[config.native_cholesky], 0.0),
                 gflop_useful=minimal_flops(out_rows, cols) / 1e9,
                 gflop_executed=executed_flops(out_rows, cols, config) / 1e9,
-                gflop_cholesky_executed=cholesky_executed_flops(cols) / 1e9,
+                gflop_cholesky_executed=cholesky_executed_flops(cols, config.native_cholesky) / 1e9,
                 codes_identical_across_variants=identical, fallback=bool(results[variant].fallback[0]),
                 codes_equal_to_unrolled=float(np.mean(np.asarray(results[variant].codes)
                                                       == np.asarray(results["unrolled"].codes))),
@@ -184,8 +189,9 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
 
 
 def codes_column(row: dict) -> str:
-    """unrolled and fori_loop: whether their codes are identical; jnp_block: the fraction equal to unrolled's."""
-    if row["variant"] == "jnp_block":
+    """unrolled and fori_loop: whether their codes are identical; jnp_block and jnp_cholesky: the fraction equal
+    to unrolled's."""
+    if row["variant"] in ("jnp_block", "jnp_cholesky"):
         return f"{row['codes_equal_to_unrolled']:.4%} equal"
     return "identical" if row["codes_identical_across_variants"] else "DIFFER"
 
@@ -232,10 +238,10 @@ def main():
     print(f"dense f32 matmul (2048^2): {rate / 1e9:.1f} GFLOP/s, {rate_per_cpu / 1e9:.1f} GFLOP per CPU second; "
           f"'of mm': the fraction of the matmul rate per wall second (per CPU second in brackets, steadier "
           f"when other work shares the cores)")
-    print(f"{'tokens':>6} {'matrix':>15} {'variant':>9} {'s':>7} {'useful GF/s':>11} {'of mm':>14} "
+    print(f"{'tokens':>6} {'matrix':>15} {'variant':>12} {'s':>7} {'useful GF/s':>11} {'of mm':>14} "
           f"{'exec GF/s':>9} {'of mm':>14} {'Cholesky s':>10} {'sweep s':>8} {'compile s':>9} {'codes':>14}")
     for row in rows + totals:
-        print(f"{row['tokens']:>6} {row['matrix']:>15} {row['variant']:>9} {row['seconds']:>7.3f} "
+        print(f"{row['tokens']:>6} {row['matrix']:>15} {row['variant']:>12} {row['seconds']:>7.3f} "
               f"{row['gflops_per_s_useful']:>11.1f} {row['fraction_of_matmul_useful']:>6.1%} "
               f"({row['fraction_of_matmul_useful_cpu']:>5.1%}) {row['gflops_per_s_executed']:>9.1f} "
               f"{row['fraction_of_matmul_executed']:>6.1%} ({row['fraction_of_matmul_executed_cpu']:>5.1%}) "
