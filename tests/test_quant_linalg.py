@@ -21,7 +21,8 @@ def _variants(factor, name):
 
 
 _FUNCTIONS = {**_variants(cholesky, "cholesky"), **_variants(reversed_cholesky, "reversed_cholesky")}
-_AS_LOWER = {name: (_reversed_as_lower if name.startswith("reversed") else (lambda factor: factor)) for name in _FUNCTIONS}
+_AS_LOWER = {name: _reversed_as_lower if name.startswith("reversed") else (lambda factor: factor)
+             for name in _FUNCTIONS}
 FACTORS = {name: _AS_LOWER[name](jax.jit(function)) for name, function in _FUNCTIONS.items()}
 BATCHED = {name: _AS_LOWER[name](jax.jit(jax.vmap(function))) for name, function in _FUNCTIONS.items()}
 factors = pytest.mark.parametrize("name", list(FACTORS))

@@ -199,7 +199,7 @@ def _varying_like(results, reference):
     no varying axes, so inside ``shard_map`` (with its default check_vma) a ``lax.platform_dependent`` between
     a kernel and its jnp twin would otherwise have branches of different types."""
     aval = jax.typeof(reference)
-    axes = getattr(aval, "vma", None)  # jax before 0.10; since then the manual axis type's varying axes
+    axes = getattr(aval, "vma", None)  # older jax; jax 0.10 keeps them in the manual axis type
     if axes is None:
         axes = getattr(getattr(aval, "manual_axis_type", None), "varying", None) or ()
     axes = tuple(sorted(axes))
@@ -244,7 +244,8 @@ def cholesky_base_call(matrix):
     if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2]:
         raise ValueError(f"cholesky_base_call expects matrices [B..., n, n]; got {matrix.shape}")
     result = jax.ShapeDtypeStruct(matrix.shape, jnp.float32)
-    return _varying_like(jax.ffi.ffi_call(CHOLESKY_BASE, (result, result), vmap_method="broadcast_all")(matrix), matrix)
+    results = jax.ffi.ffi_call(CHOLESKY_BASE, (result, result), vmap_method="broadcast_all")(matrix)
+    return _varying_like(results, matrix)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

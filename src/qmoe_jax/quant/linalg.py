@@ -13,10 +13,11 @@ The diagonal block is factored column by column, which also inverts its L
 row by row (for the solve): on CPU in a native kernel (the FFI target
 ``qmoe_cholesky_base``, xla_ffi/cpu_cholesky.h; ``native=False`` turns it
 off), elsewhere in one ``fori_loop`` (``_base_factor``, its twin), whose
-per-column steps cost XLA:CPU more than their arithmetic. Nearly all the work is the
-first matmul, which only ever forms the columns being factored: about n³/3
-FLOPs in all, what a Cholesky needs (an earlier recursive form, which also
-formed the inverses of its leading halves, ran 2.3× that at n = 3072).
+per-column steps cost XLA:CPU more than their arithmetic. Nearly all the
+work is the first matmul, which only ever forms the columns being factored:
+about n³/3 FLOPs in all, what a Cholesky needs (an earlier recursive form,
+which also formed the inverses of its leading halves, ran 2.3× that at
+n = 3072).
 
 Why not ``jnp.linalg.cholesky`` / ``lax.linalg.triangular_solve``: on CPU,
 batched calls go to jaxlib's LAPACK kernels, which split the batch into tasks
