@@ -155,3 +155,21 @@ def test_bad_inputs_and_options_raise_clear_errors():
         GPTQConfig(damping=0.0)
     assert GPTQConfig().block_sizes == (128, 16, 1)
     assert GPTQConfig(block_size=16).block_sizes == (16, 1)
+
+
+@pytest.mark.parametrize("config", [GPTQConfig(), GPTQConfig(native_block=False), GPTQConfig(unroll_blocks=False)],
+                         ids=["default", "jnp_levels", "fori_loop"])
+def test_gptq_runs_inside_shard_map_with_its_type_checks(config):
+    """Under shard_map's default check_vma every loop carry must vary over the mesh axes its inputs vary over,
+    and the native kernels' results are cast to them: the codes are the unsharded ones."""
+    from jax.sharding import Mesh, PartitionSpec
+
+    weights, inputs = correlated_problem(12, rows=16, cols=160, rank=20)
+    hessian = inputs.T @ inputs
+    spec = PartitionSpec("expert")
+    solve = jax.jit(jax.shard_map(jax.vmap(lambda w, h: gptq(w, h, GridConfig(), config).codes),
+                                  mesh=Mesh(np.asarray(jax.devices()[:1]), ("expert",)), in_specs=(spec, spec),
+                                  out_specs=spec))
+    codes = solve(weights[None], hessian[None])[0]
+    np.testing.assert_array_equal(np.asarray(codes),
+                                  np.asarray(gptq_jit(weights, hessian, grid=GridConfig(), config=config).codes))

@@ -156,7 +156,7 @@ def _columns(weights_t, corrections_t, scaled, factor_diag, params, grid: GridCo
         codes_t = lax.dynamic_update_index_in_dim(codes_t, codes, k, 0)
         return residuals_t, codes_t, squared_errors + error * error
 
-    state = (jnp.zeros_like(weights_t), jnp.zeros(weights_t.shape, jnp.uint8), jnp.zeros_like(weights_t[0]))
+    state = (jnp.zeros_like(weights_t), jnp.zeros_like(weights_t, dtype=jnp.uint8), jnp.zeros_like(weights_t[0]))
     return lax.fori_loop(0, weights_t.shape[0], quantize_column, state)
 
 
@@ -206,7 +206,7 @@ def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConf
         codes_t = lax.dynamic_update_slice_in_dim(codes_t, block_codes, start, 0)
         return corrections_t, residuals_t, codes_t, squared_errors + block_squared_errors
 
-    state = (corrections_t, jnp.zeros_like(weights_t), jnp.zeros(weights_t.shape, jnp.uint8),
+    state = (corrections_t, jnp.zeros_like(weights_t), jnp.zeros_like(weights_t, dtype=jnp.uint8),
              jnp.zeros_like(weights_t[0]))
     _, residuals_t, codes_t, squared_errors = lax.fori_loop(0, weights_t.shape[0] // size, quantize_block, state)
     return residuals_t, codes_t, squared_errors
