@@ -90,15 +90,14 @@ ffi::Error CholeskyBaseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> matrix,
     return ffi::Error::InvalidArgument(std::string(kCholeskyBase) + ": lower and inverse must have the matrix's " +
                                        "shape " + ShapeString(dims) + "; got " + ShapeString(lower->dimensions()));
   }
-  const RowKernels* kernels;
-  if (auto error = SelectKernels(kCholeskyBase, &kernels); error.failure()) return error;
-  const std::string_view isa = kernels->isa;
-  const ItemFunction factor_item = isa == "avx512" ? FactorItemAvx512
-                                   : isa == "avx2" ? FactorItemAvx2
-                                                   : FactorItemPortable;
+  ItemFunction factor_item;
+  if (auto error = SelectIsaBuild<ItemFunction>(kCholeskyBase, FactorItemPortable, FactorItemAvx2,
+                                                FactorItemAvx512, &factor_item);
+      error.failure()) {
+    return error;
+  }
   const int64_t n = dims[dims.size() - 1];
-  int64_t batch = 1;
-  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  const int64_t batch = LeadingProduct(dims, 2);
   if (batch == 0 || n == 0) return ffi::Error::Success();
   ParallelFor(pool, batch, [&](int64_t b) {
     thread_local std::vector<float> columns;

@@ -208,15 +208,14 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights_t,
     return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": levels must be 3 (ternary) or a minmax " +
                                        "grid's 2 ... 256 codes; got " + std::to_string(levels));
   }
-  const RowKernels* kernels;
-  if (auto error = SelectKernels(kGptqBlock, &kernels); error.failure()) return error;
-  const std::string_view isa = kernels->isa;
-  const RowsFunction quantize_rows = isa == "avx512" ? QuantizeRowsAvx512
-                                     : isa == "avx2" ? QuantizeRowsAvx2
-                                                     : QuantizeRowsPortable;
+  RowsFunction quantize_rows;
+  if (auto error = SelectIsaBuild<RowsFunction>(kGptqBlock, QuantizeRowsPortable, QuantizeRowsAvx2,
+                                                QuantizeRowsAvx512, &quantize_rows);
+      error.failure()) {
+    return error;
+  }
 
-  int64_t batch = 1;
-  for (size_t i = 0; i + 2 < dims.size(); ++i) batch *= dims[i];
+  const int64_t batch = LeadingProduct(dims, 2);
   if (batch == 0 || m == 0 || rows == 0) {
     std::fill(squared_errors->typed_data(), squared_errors->typed_data() + batch * rows, 0.0f);
     return ffi::Error::Success();

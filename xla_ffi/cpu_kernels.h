@@ -52,7 +52,8 @@
 // AVX-512, AVX2 or portable code at run time; the environment variable
 // QMOE_CPU_ISA=avx512|avx2|portable forces one (for tests and benchmarks).
 //
-// GPTQ's block kernel, "qmoe_gptq_block", has its own contract in cpu_gptq.h.
+// GPTQ's block kernel, "qmoe_gptq_block", and the Cholesky's diagonal-block kernel,
+// "qmoe_cholesky_base", have their own contracts in cpu_gptq.h and cpu_cholesky.h.
 #pragma once
 
 #include <pybind11/pybind11.h>

@@ -93,6 +93,13 @@ xla::ffi::Error BadRowError(const char* op, const CompressedOperands& operands,
 
 std::string ShapeString(Dims dims);
 
+// The product of the leading dims B... of [B..., trailing dims] (1 when there are none).
+inline int64_t LeadingProduct(Dims dims, size_t trailing) {
+  int64_t product = 1;
+  for (size_t i = 0; i + trailing < dims.size(); ++i) product *= dims[i];
+  return product;
+}
+
 // " of batch index 3 (of leading dims [4, 2])" where the call has leading dims, else "".
 std::string OfBatch(const std::vector<int64_t>& batch, int64_t index);
 

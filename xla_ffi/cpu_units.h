@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "cpu_operands.h"
@@ -34,6 +35,18 @@ void ZeroUnusedTokens(const DenseRows& out, int64_t tokens,
 
 // The row kernels for this call: the best the CPU runs, or QMOE_CPU_ISA's.
 xla::ffi::Error SelectKernels(const char* op, const RowKernels** kernels);
+
+// For kernels outside the row kernels, built once per instruction set: the build of the set
+// SelectKernels picks for `op` (the same choice, so QMOE_CPU_ISA forces it too).
+template <typename Function>
+xla::ffi::Error SelectIsaBuild(const char* op, Function portable, Function avx2, Function avx512,
+                               Function* selected) {
+  const RowKernels* kernels;
+  if (auto error = SelectKernels(op, &kernels); error.failure()) return error;
+  const std::string_view isa = kernels->isa;
+  *selected = isa == "avx512" ? avx512 : isa == "avx2" ? avx2 : portable;
+  return xla::ffi::Error::Success();
+}
 
 inline constexpr int64_t kTokensPerBlock = 4 * kTokenLanes;
 
