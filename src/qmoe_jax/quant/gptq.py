@@ -65,7 +65,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from qmoe_jax.quant.grids import GridConfig, grid_params, quantize
-from qmoe_jax.quant.linalg import exact_product, pairwise_sum, reversed_cholesky
+from qmoe_jax.quant.linalg import exact_product, native_on_cpu, pairwise_sum, reversed_cholesky
 
 _HIGHEST = lax.Precision.HIGHEST
 
@@ -165,19 +165,13 @@ def _block_levels(weights_t, corrections_t, scaled, factor_diag, params, grid: G
     """``_sweep`` inside one outer block (``inner_sizes`` its levels): with ``native``, the CPU kernel
     (``_kernels.gptq_block_call``) where the program runs on CPU and the jnp levels elsewhere; else the jnp levels."""
 
-    def jnp_levels(weights_t, corrections_t, scaled, factor_diag, params):
-        return _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid, inner_sizes)
+    def jnp_levels(*operands):
+        return _sweep(*operands, grid, inner_sizes)
 
     operands = (weights_t, corrections_t, scaled, factor_diag, params)
     if not native:
         return jnp_levels(*operands)
-
-    def native_levels(*operands):
-        from qmoe_jax._kernels import gptq_block_call  # the native extension, loaded only where it is used
-
-        return gptq_block_call(*operands, levels=grid.levels)
-
-    return lax.platform_dependent(*operands, cpu=native_levels, default=jnp_levels)
+    return native_on_cpu("gptq_block_call", jnp_levels, *operands, levels=grid.levels)
 
 
 def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...],

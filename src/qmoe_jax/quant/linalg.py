@@ -50,6 +50,8 @@ check all of this).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -83,18 +85,23 @@ def _base_factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     return lax.fori_loop(0, size, step, (jnp.zeros_like(matrix), jnp.zeros_like(matrix)))
 
 
+def native_on_cpu(kernel: str, twin: Callable, *operands, **attributes):
+    """``twin(*operands)`` where the program runs on other platforms; on CPU the native kernel
+    ``qmoe_jax._kernels.<kernel>(*operands, **attributes)``. The extension is imported
+    only where a kernel is used, so quant/ imports without it."""
+
+    def native(*operands):
+        from qmoe_jax import _kernels
+
+        return getattr(_kernels, kernel)(*operands, **attributes)
+
+    return lax.platform_dependent(*operands, cpu=native, default=twin)
+
+
 def _diagonal_factor(matrix: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
     """(L, L⁻¹) of a diagonal block: with ``native``, the CPU kernel where the program runs on CPU and
     ``_base_factor`` elsewhere; else ``_base_factor``."""
-    if not native:
-        return _base_factor(matrix)
-
-    def native_factor(matrix):
-        from qmoe_jax._kernels import cholesky_base_call  # the native extension, loaded only where it is used
-
-        return cholesky_base_call(matrix)
-
-    return lax.platform_dependent(matrix, cpu=native_factor, default=_base_factor)
+    return native_on_cpu("cholesky_base_call", _base_factor, matrix) if native else _base_factor(matrix)
 
 
 def _factor(matrix: jax.Array, from_end: bool, native: bool) -> jax.Array:
