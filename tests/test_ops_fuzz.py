@@ -3,7 +3,7 @@ the dense product; garbage operands give an error, never a crash; garbage
 counts are clamped to [0, N]."""
 
 import json
-import textwrap
+import os
 
 import compressed_data
 import hypothesis.strategies as st
@@ -44,106 +44,12 @@ def test_random_matrices_match_the_dense_product(rows, cols, tokens, count, p0, 
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
 
 
-FUZZ = textwrap.dedent(
-    """
-    import collections, json, os
-    import jax, jax.numpy as jnp, ml_dtypes, numpy as np
-    import compressed_data
-    from qmoe_jax import _kernels
-    from qmoe_jax.codec import build_dictionary
+FUZZ_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_fuzz.py")
 
-    dictionary = build_dictionary(0.885)
-    masks, slots, words = (np.asarray(a) for a in _kernels.dictionary_operands(dictionary))
-    rng = np.random.default_rng(0)
-    rows, cols, n_codes = 7, 33, 40
-    outcomes = collections.Counter()
-    messages = set()
-
-    def call(target, dense, result, dictionary_forms, codes, offsets, minmax, **attributes):
-        fn = jax.ffi.ffi_call(target, result, vmap_method="expand_dims")
-        return np.asarray(fn(*dictionary_forms, codes, offsets, minmax, *dense, **attributes))
-
-    # int32[B...] from 0, small, past N and the int32 extremes, or (1 in 8) a wrong shape.
-    def garbage_counts(batch):
-        shape = (*batch, 2) if rng.random() < 0.125 else batch
-        values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
-        return rng.choice(values, shape)
-
-    def run_all(forms, codes, offsets, minmax):
-        batch = codes.shape[:-1]
-        x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
-        g = rng.standard_normal((*batch, 3, rows)).astype(np.float32)
-        cases = [
-            ("qmoe_matmul", (x, garbage_counts(batch)),
-             jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), {}),
-            ("qmoe_matmul", (x[..., :1, :], garbage_counts(batch)),
-             jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32), {}),
-            ("qmoe_matmul_t", (g, garbage_counts(batch)),
-             jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32), {}),
-            ("qmoe_dequantize", (), jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
-             dict(cols=np.int64(cols))),
-        ]
-        for target, dense, result, attributes in cases:
-            try:
-                call(target, dense, result, forms, codes, offsets, minmax, **attributes)
-                outcomes["ok"] += 1
-            except Exception as error:
-                outcomes["error"] += 1
-                messages.add(str(error).splitlines()[0][:80])
-
-    good, good_dense = compressed_data.matrix(rng, dictionary, rows, cols)
-    good_codes = np.zeros(n_codes, np.uint16)
-    good_codes[: len(good.codes)] = good.codes
-    for isa in json.loads(os.environ["ISAS"]):
-        os.environ["QMOE_CPU_ISA"] = isa
-        for case in range(60):
-            kind = case % 7
-            codes = good_codes.copy()
-            offsets = np.asarray(good.row_offsets).copy()
-            minmax = rng.integers(0, 2**16, (rows, 2), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            forms = (masks, slots, words)
-            if kind == 0:
-                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
-            elif kind == 1:
-                offsets = rng.integers(-5, 2 * n_codes, rows + 1, dtype=np.int32)
-            elif kind == 2:
-                offsets = np.sort(rng.integers(0, n_codes + 1, rows + 1)).astype(np.int32)
-                offsets[0] = 0
-                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
-            elif kind == 3:
-                flips = rng.integers(0, len(good.codes), 3)
-                codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
-            elif kind == 4:
-                forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32),
-                         rng.integers(0, 256, slots.shape, dtype=np.uint8),
-                         rng.integers(0, 2**32, words.shape, dtype=np.uint32))
-            elif kind == 5:
-                forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8),
-                         rng.integers(0, 2**32, words.shape, dtype=np.uint32))
-            run_all(forms, codes, offsets, minmax)
-            run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
-        # Good operands, garbage counts: the tokens in use are exact, the others zero.
-        stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
-        for _ in range(20):
-            counts = garbage_counts((3,))
-            x = rng.standard_normal((3, 5, cols)).astype(np.float32)
-            result = jax.ShapeDtypeStruct((3, 5, rows), jnp.float32)
-            try:
-                y = call("qmoe_matmul", (x, counts), result, (masks, slots, words), *stack)
-            except Exception as error:
-                outcomes["error"] += 1
-                messages.add(str(error).splitlines()[0][:80])
-                continue
-            in_use = np.arange(5) < np.clip(counts.astype(np.int64), 0, 5)[:, None]
-            expected = np.where(in_use[..., None], x @ good_dense.T, 0)
-            outcomes["exact" if np.allclose(y, expected, rtol=1e-5, atol=1e-5) else "wrong"] += 1
-    print(json.dumps(dict(outcomes=outcomes, messages=sorted(messages))))
-    """
-)
 
 
 def test_garbage_operands_error_and_never_crash():
-    run = run_python(["-c", FUZZ], timeout=900, ISAS=json.dumps(ops.cpu_isas()))
+    run = run_python([FUZZ_PROGRAM], timeout=900, ISAS=json.dumps(ops.cpu_isas()))
     assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"
     result = json.loads(run.stdout.strip().splitlines()[-1])
     outcomes = result["outcomes"]

@@ -8,7 +8,8 @@
 //
 // Memory safety does not depend on the operands: every loop stops before a
 // codeword that would start at or past `padded_cols`, a codeword covers at
-// most 31 weights, and buffers carry kDensePad slack behind `padded_cols`.
+// most 31 weights, and buffers carry kDensePad slack behind `padded_cols`
+// (kRowsDotSlack for rows_dot's x, which may check starts once per chunk).
 // Garbage codes or dictionaries give wrong numbers or a `false` return,
 // never an out-of-bounds access.
 #pragma once
@@ -22,6 +23,10 @@ namespace qmoe::cpu {
 // Zero floats behind each dense row, so a 32-float window at any codeword
 // start stays inside the buffer.
 inline constexpr int64_t kDensePad = 32;
+// Zero floats behind rows_dot's x: a kernel may check where codewords start
+// once per chunk of up to 4, whose windows then end within 4 * 31 floats of
+// the chunk's start (cpu_row_kernels_avx2.cc).
+inline constexpr int64_t kRowsDotSlack = 128;
 // Tokens per block in the token-major ("transposed") layouts.
 inline constexpr int64_t kTokenLanes = 16;
 // Slack entries behind `padded_cols` in each nonzero-position list.
@@ -49,7 +54,7 @@ struct RowKernels {
   const char* isa;
   // For each row r of `rows`, sums x over its plus and minus weights into
   // plus_sums[r - begin] and minus_sums[r - begin]. `x` holds padded_cols +
-  // kDensePad floats, zero from `cols` on. Returns the first row whose codes
+  // kRowsDotSlack floats, zero from `cols` on. Returns the first row whose codes
   // do not decode to exactly `padded_cols` weights, or rows.end.
   int64_t (*rows_dot)(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
                       int64_t padded_cols, float* plus_sums, float* minus_sums);

