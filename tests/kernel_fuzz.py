@@ -73,7 +73,7 @@ for rows, cols, n_codes, cases in ((7, 33, 40, 60), (5, 1500, 420, 28)):
     for isa in json.loads(os.environ["ISAS"]):
         os.environ["QMOE_CPU_ISA"] = isa
         for case in range(cases):
-            kind = case % 7
+            kind = case % 8
             codes = good_codes.copy()
             offsets = np.asarray(good.row_offsets).copy()
             minmax = rng.integers(0, 2**16, (rows, 2), dtype=np.uint16).view(ml_dtypes.bfloat16)
@@ -96,6 +96,15 @@ for rows, cols, n_codes, cases in ((7, 33, 40, 60), (5, 1500, 420, 28)):
             elif kind == 5:
                 forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8),
                          rng.integers(0, 2**32, words.shape, dtype=np.uint32))
+            elif kind == 6:
+                # Words that claim 4 plus (or 4 minus) weights in codewords of
+                # length 0, one row of all the codewords: 4 list entries per
+                # codeword and no weights, past the lists' slack on long rows.
+                claim = rng.choice([5 * 4, 4])
+                forms = (masks, slots,
+                         (np.uint32(claim << 20) | rng.integers(0, 2**20, words.shape)).astype(np.uint32))
+                offsets = np.full(rows + 1, n_codes, np.int32)
+                offsets[0] = 0
             run_all(forms, codes, offsets, minmax)
             run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
         # Good operands, garbage counts: the tokens in use are exact, the others zero.

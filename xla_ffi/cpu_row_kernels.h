@@ -29,8 +29,10 @@ inline constexpr int64_t kDensePad = 32;
 inline constexpr int64_t kRowsDotSlack = 128;
 // Tokens per block in the token-major ("transposed") layouts.
 inline constexpr int64_t kTokenLanes = 16;
-// Slack entries behind `padded_cols` in each nonzero-position list.
-inline constexpr int64_t kIndexSlack = 32;
+// Slack entries behind `padded_cols` in each nonzero-position list: room for
+// a chunk of 4 codewords of up to 31 entries each after the lists' last check
+// (WordsRowNonzeros).
+inline constexpr int64_t kIndexSlack = 128;
 
 // The three kernel forms of a dictionary (see qmoe_format.h).
 struct DictionaryView {
