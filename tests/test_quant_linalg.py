@@ -115,3 +115,24 @@ def test_exact_product_is_exact_so_an_fma_cannot_change_a_later_sum():
 def test_cholesky_rejects_batches(factor):
     with pytest.raises(ValueError, match="vmap it for a batch"):
         factor(jnp.zeros((2, 3, 3)))
+
+
+@pytest.mark.parametrize("name", list(_FUNCTIONS))
+@pytest.mark.parametrize("size", [7, BASE_SIZE, 300])
+def test_a_given_diagonal_factors_like_the_matrix_with_it_written_in(name, size):
+    """GPTQ damps H's diagonal through ``diagonal`` instead of copying H: the bits must be the same."""
+    matrix = spd_matrix(size, seed=size)
+    diagonal = (np.diag(matrix) * np.float32(1.25) + 1).astype(np.float32)
+    written = matrix.copy()
+    np.fill_diagonal(written, diagonal)
+    if size == 300:  # a NaN on the diagonal the argument replaces must not reach the result
+        np.fill_diagonal(matrix, np.nan)
+    function = _FUNCTIONS[name]
+    given = jax.jit(lambda m, d: function(m, diagonal=d))(matrix, diagonal)
+    np.testing.assert_array_equal(np.asarray(given), np.asarray(jax.jit(function)(written)))
+
+
+@pytest.mark.parametrize("factor", [cholesky, reversed_cholesky])
+def test_cholesky_rejects_a_diagonal_of_the_wrong_size(factor):
+    with pytest.raises(ValueError, match=r"diagonal must have shape \(3,\)"):
+        factor(jnp.eye(3), diagonal=jnp.ones(4))

@@ -124,6 +124,68 @@ QMOE_AVX2 int64_t RowsDot(const DictionaryView& dictionary, const RowSpan& rows,
   return run(dictionary, rows, x, padded_cols, plus_sums, minus_sums);
 }
 
+// Codewords listed between two checks in RowNonzerosWith (as in
+// WordsRowNonzeros, cpu_row_kernels_portable.cc, whose lists it writes alike).
+constexpr int64_t kNonzerosChunk = 4;
+static_assert(31 * kNonzerosChunk <= kIndexSlack, "see WordsRowNonzeros");
+
+// row_nonzeros from the words with vector stores: a codeword's four fields,
+// shifted out of its word in one variable shift and offset by pos, go to the
+// plus list as they are and to the minus list after its plus fields (as the
+// portable loop's eight scalar stores did; the counts keep what belongs).
+// Same lists, same checks, about twice as fast on Zen 3.
+template <bool kOverflow>
+QMOE_AVX2 bool RowNonzerosWith(const DictionaryView& dictionary, const uint16_t* codes,
+                               int64_t count, int64_t padded_cols, int32_t* plus_index,
+                               int64_t* plus_count, int32_t* minus_index, int64_t* minus_count) {
+  const WordClasses& classes = WordClassTable();
+  const __m128i field_shifts = _mm_setr_epi32(0, kWordFieldBits, 2 * kWordFieldBits,
+                                              3 * kWordFieldBits);
+  const __m128i field_mask = _mm_set1_epi32(static_cast<int32_t>(kWordFieldMask));
+  int64_t plus_size = 0;
+  int64_t minus_size = 0;
+  int64_t pos = 0;
+  for (int64_t k = 0; k < count;) {
+    if (pos >= padded_cols || plus_size >= padded_cols || minus_size >= padded_cols) return false;
+    const int64_t chunk_end = k + kNonzerosChunk < count ? k + kNonzerosChunk : k + 1;
+    for (; k < chunk_end; ++k) {
+      const uint32_t word = dictionary.words[codes[k]];
+      const uint32_t kind = WordClass(word);
+      if (kOverflow && kind == kWordOverflowClass) {
+        ListEntryFromMasks(dictionary, codes[k], WordLength(word), pos, plus_index, &plus_size,
+                           minus_index, &minus_size);
+      } else {
+        const int32_t plus_here = classes.plus_count[kind];
+        const __m128i at = _mm_set1_epi32(static_cast<int32_t>(pos));
+        const __m128i plus_fields = _mm_and_si128(
+            _mm_srlv_epi32(_mm_set1_epi32(static_cast<int32_t>(word)), field_shifts), field_mask);
+        const __m128i minus_fields = _mm_and_si128(
+            _mm_srlv_epi32(_mm_set1_epi32(static_cast<int32_t>(word >> (kWordFieldBits * plus_here))),
+                           field_shifts),
+            field_mask);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(plus_index + plus_size),
+                         _mm_add_epi32(plus_fields, at));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(minus_index + minus_size),
+                         _mm_add_epi32(minus_fields, at));
+        plus_size += plus_here;
+        minus_size += classes.minus_count[kind];
+      }
+      pos += WordLength(word);
+    }
+  }
+  *plus_count = plus_size;
+  *minus_count = minus_size;
+  return pos == padded_cols;
+}
+
+QMOE_AVX2 bool RowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
+                           int64_t padded_cols, int32_t* plus_index, int64_t* plus_count,
+                           int32_t* minus_index, int64_t* minus_count) {
+  const auto run = dictionary.words_overflow ? RowNonzerosWith<true> : RowNonzerosWith<false>;
+  return run(dictionary, codes, count, padded_cols, plus_index, plus_count, minus_index,
+             minus_count);
+}
+
 QMOE_AVX2 void GatherTokenRows(const float* table, const int32_t* index, int64_t count,
                                float* sum) {
   __m256 low[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -165,7 +227,7 @@ bool CpuHasAvx2() {
 }
 
 const RowKernels& Avx2RowKernels() {
-  static const RowKernels kernels{"avx2", RowsDot, WordsRowNonzeros, GatherTokenRows,
+  static const RowKernels kernels{"avx2", RowsDot, RowNonzeros, GatherTokenRows,
                                   ScatterTokenRows};
   return kernels;
 }

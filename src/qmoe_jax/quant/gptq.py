@@ -130,14 +130,15 @@ class GPTQResult(NamedTuple):
     loss: jax.Array
 
 
-def hessian_factor(hessian: jax.Array, native: bool = True) -> jax.Array:
+def hessian_factor(hessian: jax.Array, native: bool = True, diagonal: jax.Array | None = None) -> jax.Array:
     """R, upper triangular with H = R·Rᵀ, for a positive definite H[n, n] (non-finite entries if it is not).
 
     U = R⁻¹ is GPTQ's hinv (UᵀU = H⁻¹); the sweep uses R itself. The Cholesky is linalg.py's, in plain lax
     and (with ``native``, on CPU) its native kernel for the diagonal blocks: jaxlib's batched LAPACK kernels
-    can deadlock when several host devices run them at once.
+    can deadlock when several host devices run them at once. ``diagonal`` (float[n], optional): H's diagonal
+    in place of the one ``hessian`` holds (the damped one), without copying H.
     """
-    return reversed_cholesky(hessian, native=native)
+    return reversed_cholesky(hessian, native=native, diagonal=diagonal)
 
 
 def _columns(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConfig):
@@ -258,24 +259,25 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     diag = jnp.diagonal(hessian)
     dead = diag == 0
     diag = jnp.where(dead, 1.0, diag)
-    columns = jnp.arange(cols)
     # λ = damping × mean diag(H), to 12 significant bits: exact, so it adds alike in every program (linalg.py)
     damping_term = exact_product(jnp.float32(config.damping / cols), pairwise_sum(diag))
-    hessian = hessian.at[columns, columns].set(diag + damping_term)
+    damped = diag + damping_term  # H's diagonal, given to the Cholesky (no copy of H with it written in)
     if config.act_order:
         order = jnp.argsort(-diag)
-        hessian, weights, dead = hessian[order][:, order], weights[:, order], dead[order]
-    factor = hessian_factor(hessian, config.native_cholesky)
+        hessian, damped, weights, dead = hessian[order][:, order], damped[order], weights[:, order], dead[order]
+    factor = hessian_factor(hessian, config.native_cholesky, diagonal=damped)
     ok = jnp.isfinite(factor).all() & ~dead.all()
-    factor = jnp.where(ok, factor, jnp.eye(cols, dtype=jnp.float32))
     weights = jnp.where(ok & dead[None, :], 0.0, weights)
 
     padding = -cols % config.block_size
     if padding:  # padded columns: R = identity there (no pass over a full-size matrix when there are none)
         padded = jnp.arange(cols, cols + padding)
         factor = jnp.pad(factor, ((0, padding), (0, padding))).at[padded, padded].set(1.0)
-    factor_diag = jnp.diagonal(factor)
-    scaled = factor * (1 / factor_diag)[None, :]  # S = R_jk / R_kk, multiplied as in linalg.py (batch-invariant)
+    # Where not ok, R = identity (the original weights, rounded to nearest). Selected elementwise inside S, so
+    # that XLA fuses it into the slices the sweep reads instead of writing a selected copy of R.
+    factor_diag = jnp.where(ok, jnp.diagonal(factor), 1.0)
+    identity = jnp.eye(cols + padding, dtype=jnp.float32)
+    scaled = jnp.where(ok, factor * (1 / factor_diag)[None, :], identity)  # S = R_jk / R_kk (batch-invariant)
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0))) if padding else weights.T
     if config.unroll_blocks:
         _, codes_t, squared_errors = _sweep_unrolled(weights_t, scaled, factor_diag, params, grid, config.block_sizes,

@@ -104,59 +104,78 @@ def _diagonal_factor(matrix: jax.Array, native: bool) -> tuple[jax.Array, jax.Ar
     return native_on_cpu("cholesky_base_call", _base_factor, matrix) if native else _base_factor(matrix)
 
 
-def _factor(matrix: jax.Array, from_end: bool, native: bool) -> jax.Array:
+def _with_diagonal(block: jax.Array, diagonal: jax.Array | None) -> jax.Array:
+    """A square block with its diagonal replaced by ``diagonal`` (None: as it is)."""
+    if diagonal is None:
+        return block
+    index = jnp.arange(block.shape[-1])
+    return block.at[index, index].set(diagonal)
+
+
+def _factor(matrix: jax.Array, from_end: bool, native: bool, diagonal: jax.Array | None = None) -> jax.Array:
     """L (module docstring), or with ``from_end`` R = J·chol(J·A·J)·J (J reverses the order of rows or columns)
     without reversing A or the result: the same steps on blocks taken from the last columns back, each index i
     of the reversed problem being n − 1 − i here, so R is upper triangular and A = R·Rᵀ. Every block's shapes
-    are static."""
+    are static. ``diagonal``: A's diagonal, replacing the one ``matrix`` holds (written into each diagonal block
+    as it is read, so that a caller changing the diagonal, GPTQ's damping, copies no n×n matrix)."""
     size = matrix.shape[-1]
     flip = (lambda block: block[::-1, ::-1]) if from_end else (lambda block: block)  # only BASE_SIZE blocks
     if size <= BASE_SIZE:  # one block; not an update of zeros: XLA's simplifier aborted on reversing that
-        return flip(_diagonal_factor(flip(matrix), native)[0])
+        return flip(_diagonal_factor(flip(_with_diagonal(matrix, diagonal)), native)[0])
     factor = jnp.zeros_like(matrix)
     for done in range(0, size, BASE_SIZE):
         width = min(BASE_SIZE, size - done)
         if from_end:  # block columns start:stop, done = the columns after them, rest = the rows before them
             start, stop = size - done - width, size - done
             panel = matrix[:stop, start:stop]
+            if diagonal is not None:
+                panel = panel.at[start:].set(_with_diagonal(panel[start:], diagonal[start:stop]))
             if done:
                 panel = panel - _matmul(factor[:stop, stop:], factor[start:stop, stop:].T)
             block, block_inverse = (flip(part) for part in _diagonal_factor(flip(panel[start:]), native))
-            rest, solve = slice(0, start), panel[:start]
+            rest, solve = 0, panel[:start]
         else:  # block columns start:stop, done = the columns before them, rest = the rows after them
             start, stop = done, done + width
             panel = matrix[start:, start:stop]
+            if diagonal is not None:
+                panel = panel.at[:width].set(_with_diagonal(panel[:width], diagonal[start:stop]))
             if done:
                 panel = panel - _matmul(factor[start:, :start], factor[start:stop, :start].T)
             block, block_inverse = _diagonal_factor(panel[:width], native)
-            rest, solve = slice(stop, size), panel[width:]
-        factor = factor.at[start:stop, start:stop].set(block)
-        if done + width < size:
-            factor = factor.at[rest, start:stop].set(_matmul(solve, block_inverse.T))
+            rest, solve = stop, panel[width:]
+        # In-place updates at static offsets (``.at[].set`` would add a bounds check and a select per block).
+        factor = lax.dynamic_update_slice(factor, block, (start, start))
+        if done + width < size:  # rows ``rest`` on: the rows before the block (from_end) or after it
+            factor = lax.dynamic_update_slice(factor, _matmul(solve, block_inverse.T), (rest, start))
     return factor
 
 
-def cholesky(matrix: jax.Array, native: bool = True) -> jax.Array:
+def cholesky(matrix: jax.Array, native: bool = True, diagonal: jax.Array | None = None) -> jax.Array:
     """Lower Cholesky factor L of an SPD matrix A[n, n] (A = L·Lᵀ), reading only A's lower triangle;
     NaNs from the first failing column on where A is not positive definite. ``native``: the diagonal blocks in
-    the CPU kernel where the program runs on CPU (module docstring)."""
-    _check_square(matrix, "cholesky")
-    return _factor(matrix, from_end=False, native=native)
+    the CPU kernel where the program runs on CPU (module docstring). ``diagonal`` (float[n], optional): A's
+    diagonal, in place of the one ``matrix`` holds; the same result as factoring the matrix with it written in,
+    without a copy of the matrix."""
+    _check_square(matrix, "cholesky", diagonal)
+    return _factor(matrix, from_end=False, native=native, diagonal=diagonal)
 
 
-def reversed_cholesky(matrix: jax.Array, native: bool = True) -> jax.Array:
+def reversed_cholesky(matrix: jax.Array, native: bool = True, diagonal: jax.Array | None = None) -> jax.Array:
     """Upper triangular R with A = R·Rᵀ for an SPD matrix A[n, n]: the Cholesky factor of A with the order of
     rows and columns reversed (``cholesky(A[::-1, ::-1])[::-1, ::-1]`` up to float rounding), reading only A's
     upper triangle. It runs from the last column to the first, so where A is not positive definite, the first
-    failing column met that way and every column before it are NaN on and above the diagonal. ``native`` as in
-    ``cholesky``."""
-    _check_square(matrix, "reversed_cholesky")
-    return _factor(matrix, from_end=True, native=native)
+    failing column met that way and every column before it are NaN on and above the diagonal. ``native`` and
+    ``diagonal`` as in ``cholesky``."""
+    _check_square(matrix, "reversed_cholesky", diagonal)
+    return _factor(matrix, from_end=True, native=native, diagonal=diagonal)
 
 
-def _check_square(matrix: jax.Array, name: str) -> None:
+def _check_square(matrix: jax.Array, name: str, diagonal: jax.Array | None = None) -> None:
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
         raise ValueError(f"{name} expects one square matrix [n, n] (vmap it for a batch); got {matrix.shape}")
+    if diagonal is not None and jnp.shape(diagonal) != matrix.shape[:1]:
+        raise ValueError(f"{name}: diagonal must have shape {matrix.shape[:1]} (one entry per row of the "
+                         f"{matrix.shape} matrix); got {jnp.shape(diagonal)}")
 
 
 def pairwise_sum(values: jax.Array) -> jax.Array:
