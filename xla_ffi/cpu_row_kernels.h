@@ -23,16 +23,22 @@ namespace qmoe::cpu {
 // Zero floats behind each dense row, so a 32-float window at any codeword
 // start stays inside the buffer.
 inline constexpr int64_t kDensePad = 32;
-// Zero floats behind rows_dot's x: a kernel may check where codewords start
-// once per chunk of up to 4, whose windows then end within 4 * 31 floats of
-// the chunk's start (cpu_row_kernels_avx2.cc).
+// Codewords a kernel may decode between two checks of where the next one
+// starts (and, for the position lists, of their sizes): rows_dot (AVX2) and
+// row_nonzeros (AVX2, portable). A codeword covers at most 31 weights and
+// adds at most 31 entries to a list, so a chunk that began in bounds ends
+// within 4 * 31 of it; the slacks below hold that.
+inline constexpr int64_t kCheckedChunk = 4;
+inline constexpr int64_t kMaxCodewordWeights = 31;
+// Zero floats behind rows_dot's x (a chunk's windows may run past padded_cols).
 inline constexpr int64_t kRowsDotSlack = 128;
 // Tokens per block in the token-major ("transposed") layouts.
 inline constexpr int64_t kTokenLanes = 16;
-// Slack entries behind `padded_cols` in each nonzero-position list: room for
-// a chunk of 4 codewords of up to 31 entries each after the lists' last check
-// (WordsRowNonzeros).
+// Slack entries behind `padded_cols` in each nonzero-position list (a chunk's
+// entries may run past it before the row fails).
 inline constexpr int64_t kIndexSlack = 128;
+static_assert(kCheckedChunk * kMaxCodewordWeights <= kRowsDotSlack);
+static_assert(kCheckedChunk * kMaxCodewordWeights <= kIndexSlack);
 
 // The three kernel forms of a dictionary (see qmoe_format.h).
 struct DictionaryView {

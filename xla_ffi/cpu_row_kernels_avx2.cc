@@ -38,11 +38,6 @@ QMOE_AVX2_INLINE __m128 FieldValues(uint32_t word, const float* window) {
   return values;
 }
 
-// Codewords decoded between two checks of where the next one starts; x needs
-// kRowsDotSlack floats behind padded_cols for them (cpu_row_kernels.h).
-constexpr int64_t kChunk = 4;
-static_assert(31 * kChunk <= kRowsDotSlack, "a chunk's last window may end 31 * kChunk past its start");
-
 // One codeword at `pos` into `total` (or the overflow sums); returns its length.
 template <bool kFourth, bool kOverflow>
 QMOE_AVX2_INLINE uint32_t AddCodeword(const DictionaryView& dictionary, const WordClasses& classes,
@@ -62,7 +57,7 @@ QMOE_AVX2_INLINE uint32_t AddCodeword(const DictionaryView& dictionary, const Wo
 // Rows of `rows` one after the other; their codes are one contiguous run,
 // prefetched across row ends up to the span's last code.
 //
-// A row's codewords but its last run in chunks of kChunk with one check of
+// A row's codewords but its last run in chunks of kCheckedChunk with one check of
 // where the chunk starts, and without clamping the prefetch (both cost about
 // as much as the decode: 14-16% faster on Zen 3). Checking every codeword's
 // start is not needed for correctness: starts never decrease, so a codeword
@@ -90,9 +85,9 @@ QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& r
     int64_t pos = 0;
     int64_t k = begin;
     const int64_t chunked_end = std::min(end - 1, prefetch_end);
-    for (; k + kChunk <= chunked_end; k += kChunk) {
+    for (; k + kCheckedChunk <= chunked_end; k += kCheckedChunk) {
       if (pos >= padded_cols) return r;
-      for (int64_t i = 0; i < kChunk; ++i) {
+      for (int64_t i = 0; i < kCheckedChunk; ++i) {
         _mm_prefetch(reinterpret_cast<const char*>(words + codes[k + i + kPrefetchDistance]),
                      _MM_HINT_T0);
         pos += AddCodeword<kFourth, kOverflow>(dictionary, classes, codes[k + i], x + pos, &total,
@@ -124,16 +119,13 @@ QMOE_AVX2 int64_t RowsDot(const DictionaryView& dictionary, const RowSpan& rows,
   return run(dictionary, rows, x, padded_cols, plus_sums, minus_sums);
 }
 
-// Codewords listed between two checks in RowNonzerosWith (as in
-// WordsRowNonzeros, cpu_row_kernels_portable.cc, whose lists it writes alike).
-constexpr int64_t kNonzerosChunk = 4;
-static_assert(31 * kNonzerosChunk <= kIndexSlack, "see WordsRowNonzeros");
-
 // row_nonzeros from the words with vector stores: a codeword's four fields,
 // shifted out of its word in one variable shift and offset by pos, go to the
 // plus list as they are and to the minus list after its plus fields (as the
 // portable loop's eight scalar stores did; the counts keep what belongs).
-// Same lists, same checks, about twice as fast on Zen 3.
+// Same lists, same checks (once per kCheckedChunk codewords, as
+// WordsRowNonzeros in cpu_row_kernels_portable.cc explains), about twice as
+// fast on Zen 3.
 template <bool kOverflow>
 QMOE_AVX2 bool RowNonzerosWith(const DictionaryView& dictionary, const uint16_t* codes,
                                int64_t count, int64_t padded_cols, int32_t* plus_index,
@@ -147,7 +139,7 @@ QMOE_AVX2 bool RowNonzerosWith(const DictionaryView& dictionary, const uint16_t*
   int64_t pos = 0;
   for (int64_t k = 0; k < count;) {
     if (pos >= padded_cols || plus_size >= padded_cols || minus_size >= padded_cols) return false;
-    const int64_t chunk_end = k + kNonzerosChunk < count ? k + kNonzerosChunk : k + 1;
+    const int64_t chunk_end = k + kCheckedChunk < count ? k + kCheckedChunk : k + 1;
     for (; k < chunk_end; ++k) {
       const uint32_t word = dictionary.words[codes[k]];
       const uint32_t kind = WordClass(word);

@@ -26,12 +26,6 @@ const WordClasses& WordClassTable() {
   return table;
 }
 
-// Codewords listed between two checks of the lists' sizes and where the next
-// codeword starts (see WordsRowNonzeros).
-constexpr int64_t kNonzerosChunk = 4;
-static_assert(31 * kNonzerosChunk <= kIndexSlack,
-              "a chunk may add 31 entries per codeword to a list that was just short of padded_cols");
-
 namespace {
 
 // The lists of one row so far.
@@ -73,7 +67,7 @@ __attribute__((always_inline)) inline void ListCodeword(const DictionaryView& di
 
 // A codeword adds at most 31 entries to a list (4 through its word), so lists
 // shorter than padded_cols at a check stay inside their kIndexSlack until the
-// next one, kNonzerosChunk codewords later. Words derived from the masks never
+// next one, kCheckedChunk codewords later. Words derived from the masks never
 // list more weights than a codeword covers, so their lists stay no longer than
 // pos and never fail this check; a garbage words form that claims more makes
 // the row fail instead of writing past the lists. As in the AVX2 rows_dot,
@@ -91,9 +85,9 @@ bool WordsRowNonzerosWith(const DictionaryView& dictionary, const uint16_t* code
            lists.minus_size < padded_cols;
   };
   int64_t k = 0;
-  for (; k + kNonzerosChunk < count; k += kNonzerosChunk) {
+  for (; k + kCheckedChunk < count; k += kCheckedChunk) {
     if (!in_bounds()) return false;
-    for (int64_t i = 0; i < kNonzerosChunk; ++i) {
+    for (int64_t i = 0; i < kCheckedChunk; ++i) {
       ListCodeword<kOverflow>(dictionary, classes, codes[k + i], lists);
     }
   }
