@@ -53,6 +53,39 @@ def with_arrays(w: CompressedMatrix, **arrays) -> CompressedMatrix:
     return CompressedMatrix(fields["codes"], fields["row_offsets"], fields["minmax"], w.cols)
 
 
+def garbage_counts(rng, batch: tuple[int, ...]) -> np.ndarray:
+    """int32[batch] token counts for the kernel fuzz programs: 0, small, past N and the int32 extremes, or
+    (1 in 8) a wrong shape [*batch, 2]."""
+    shape = (*batch, 2) if rng.random() < 0.125 else batch
+    values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
+    return rng.choice(values, shape)
+
+
+# Garbage code streams for the kernel fuzz programs (tests/kernel_fuzz.py, and
+# the CUDA one in tests/test_ops_cuda.py): kinds 0..STREAM_CORRUPTIONS - 1.
+STREAM_CORRUPTIONS = 4
+
+
+def corrupt_stream(rng, kind: int, codes: np.ndarray, offsets, good_count: int):
+    """Copies of (codes, row offsets) spoiled by garbage ``kind``: 0 random codes; 1 random offsets; 2 sorted
+    random offsets from 0 over random codes; 3 three of the ``good_count`` codes in use flipped. Other kinds:
+    unspoiled copies, drawing nothing from ``rng``."""
+    codes, offsets = np.asarray(codes).copy(), np.asarray(offsets).copy()
+    n_codes, rows = len(codes), len(offsets) - 1
+    if kind == 0:
+        codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
+    elif kind == 1:
+        offsets = rng.integers(-5, 2 * n_codes, rows + 1, dtype=np.int32)
+    elif kind == 2:
+        offsets = np.sort(rng.integers(0, n_codes + 1, rows + 1)).astype(np.int32)
+        offsets[0] = 0
+        codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
+    elif kind == 3:
+        flips = rng.integers(0, good_count, 3)
+        codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
+    return codes, offsets
+
+
 @functools.cache
 def cached_matrix(rows: int, cols: int, seed: int = 0):
     """``matrix`` with the static dictionary, made once per (rows, cols, seed)."""

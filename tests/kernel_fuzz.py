@@ -35,23 +35,16 @@ def call(target, dense, result, dictionary_forms, codes, offsets, minmax, **attr
     return np.asarray(fn(*dictionary_forms, codes, offsets, minmax, *dense, **attributes))
 
 
-# int32[B...] from 0, small, past N and the int32 extremes, or (1 in 8) a wrong shape.
-def garbage_counts(batch):
-    shape = (*batch, 2) if rng.random() < 0.125 else batch
-    values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
-    return rng.choice(values, shape)
-
-
 def run_all(forms, codes, offsets, minmax):
     batch = codes.shape[:-1]
     x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
     g = rng.standard_normal((*batch, 3, rows)).astype(np.float32)
     cases = [
-        ("qmoe_matmul", (x, garbage_counts(batch)),
+        ("qmoe_matmul", (x, compressed_data.garbage_counts(rng, batch)),
          jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), {}),
-        ("qmoe_matmul", (x[..., :1, :], garbage_counts(batch)),
+        ("qmoe_matmul", (x[..., :1, :], compressed_data.garbage_counts(rng, batch)),
          jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32), {}),
-        ("qmoe_matmul_t", (g, garbage_counts(batch)),
+        ("qmoe_matmul_t", (g, compressed_data.garbage_counts(rng, batch)),
          jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32), {}),
         ("qmoe_dequantize", (), jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
          dict(cols=np.int64(cols))),
@@ -74,22 +67,10 @@ for rows, cols, n_codes, cases in ((7, 33, 40, 60), (5, 1500, 420, 28)):
         os.environ["QMOE_CPU_ISA"] = isa
         for case in range(cases):
             kind = case % 8
-            codes = good_codes.copy()
-            offsets = np.asarray(good.row_offsets).copy()
             minmax = rng.integers(0, 2**16, (rows, 2), dtype=np.uint16).view(ml_dtypes.bfloat16)
+            codes, offsets = compressed_data.corrupt_stream(rng, kind, good_codes, good.row_offsets, len(good.codes))
             forms = (masks, slots, words)
-            if kind == 0:
-                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
-            elif kind == 1:
-                offsets = rng.integers(-5, 2 * n_codes, rows + 1, dtype=np.int32)
-            elif kind == 2:
-                offsets = np.sort(rng.integers(0, n_codes + 1, rows + 1)).astype(np.int32)
-                offsets[0] = 0
-                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
-            elif kind == 3:
-                flips = rng.integers(0, len(good.codes), 3)
-                codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
-            elif kind == 4:
+            if kind == 4:
                 forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32),
                          rng.integers(0, 256, slots.shape, dtype=np.uint8),
                          rng.integers(0, 2**32, words.shape, dtype=np.uint32))
@@ -110,7 +91,7 @@ for rows, cols, n_codes, cases in ((7, 33, 40, 60), (5, 1500, 420, 28)):
         # Good operands, garbage counts: the tokens in use are exact, the others zero.
         stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
         for _ in range(20):
-            counts = garbage_counts((3,))
+            counts = compressed_data.garbage_counts(rng, (3,))
             x = rng.standard_normal((3, 5, cols)).astype(np.float32)
             result = jax.ShapeDtypeStruct((3, 5, rows), jnp.float32)
             try:

@@ -408,21 +408,15 @@ FUZZ = textwrap.dedent(
         fn = jax.ffi.ffi_call(target, result, vmap_method="expand_dims")
         return np.asarray(fn(*forms, codes, offsets, minmax, *operands, **attributes), np.float32)
 
-    # int32[B...] from 0, small, past N and the int32 extremes, or (1 in 8) a wrong shape.
-    def garbage_counts(batch):
-        shape = (*batch, 2) if rng.random() < 0.125 else batch
-        values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
-        return rng.choice(values, shape)
-
     def run_all(forms, codes, offsets, minmax):
         batch = codes.shape[:-1]
         x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
         g = rng.standard_normal((*batch, 3, rows)).astype(jnp.bfloat16)
         cases = [
             ("qmoe_matmul", jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32),
-             (x, garbage_counts(batch)), {}),
+             (x, compressed_data.garbage_counts(rng, batch)), {}),
             ("qmoe_matmul_t", jax.ShapeDtypeStruct((*batch, 3, cols), jnp.bfloat16),
-             (g, garbage_counts(batch)), {}),
+             (g, compressed_data.garbage_counts(rng, batch)), {}),
             ("qmoe_dequantize", jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16), (),
              dict(cols=np.int64(cols))),
         ]
@@ -440,22 +434,11 @@ FUZZ = textwrap.dedent(
         os.environ["QMOE_CUDA_VALIDATE"] = validate
         for case in range(42):
             kind = case % 6
-            codes = good_codes.copy()
-            offsets = np.asarray(good.row_offsets).copy()
+            codes, offsets = compressed_data.corrupt_stream(rng, kind, good_codes, good.row_offsets,
+                                                            len(good.codes))
             minmax = np.asarray(good.minmax)
             forms = (masks, slots, words)
-            if kind == 0:
-                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
-            elif kind == 1:
-                offsets = rng.integers(-5, 2 * n_codes, rows + 1, dtype=np.int32)
-            elif kind == 2:
-                offsets = np.sort(rng.integers(0, n_codes + 1, rows + 1)).astype(np.int32)
-                offsets[0] = 0
-                codes = rng.integers(0, 2**16, n_codes, dtype=np.uint16)
-            elif kind == 3:
-                flips = rng.integers(0, len(good.codes), 3)
-                codes[flips] ^= rng.integers(1, 2**16, 3, dtype=np.uint16)
-            elif kind == 4:
+            if kind == 4:
                 forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32), slots, words)
             run_all(forms, codes, offsets, minmax)
             stacked = (a[None].repeat(2, 0) for a in (codes, offsets, minmax))
@@ -469,7 +452,7 @@ FUZZ = textwrap.dedent(
     np.testing.assert_allclose(y, x @ dense.T, rtol=1e-5, atol=1e-5)
     stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
     for _ in range(20):
-        counts = garbage_counts((3,))
+        counts = compressed_data.garbage_counts(rng, (3,))
         if counts.shape != (3,):
             continue
         x = rng.standard_normal((3, 5, cols)).astype(np.float32)
