@@ -3,8 +3,13 @@
 # minutes on one H100/H200-class GPU:
 #   1. builds the extension with QMOE_CUDA=ON in-tree (cmake + ninja + nvcc;
 #      the module lands in qmoe_jax/ and is used through PYTHONPATH);
-#   2. runs tests/test_ops_cuda.py on the GPU, then the CPU op tests
-#      (tests/test_ops.py, tests/test_ops_fuzz.py) with JAX_PLATFORMS=cpu;
+#   2. runs tests/test_ops_cuda.py on the GPU, then the CPU op and native
+#      GPTQ tests (tests/test_ops.py, tests/test_ops_fuzz.py,
+#      tests/test_quant_gptq_native.py, tests/test_quant_linalg_native.py)
+#      with JAX_PLATFORMS=cpu, under every instruction set the host's CPU
+#      has (the op tests run each one; the GPTQ tests compare the fastest
+#      with portable): on a host with AVX-512 this is where the AVX-512 CPU
+#      kernels get tested, which CI's machines cannot do;
 #   3. runs benchmarks/kernels_gpu.py (table on stdout, JSON to $OUT or
 #      benchmarks/results/).
 # Assumes, and installs nothing (the GPU machine has no network): python3 with
@@ -73,9 +78,12 @@ phase "tests on the GPU: tests/test_ops_cuda.py"
 XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged tests_cuda 210 \
   "$python" -m pytest -q -p no:cacheprovider -rs tests/test_ops_cuda.py
 
-phase "CPU op tests (JAX_PLATFORMS=cpu): tests/test_ops.py tests/test_ops_fuzz.py"
-JAX_PLATFORMS=cpu run_logged tests_cpu 120 \
-  "$python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_ops_fuzz.py
+phase "CPU op and native GPTQ tests (JAX_PLATFORMS=cpu), every instruction set of this CPU"
+grep -m1 "model name" /proc/cpuinfo || true
+JAX_PLATFORMS=cpu "$python" -c "from qmoe_jax import ops; print('CPU kernels:', ops.cpu_isas())" || status=1
+JAX_PLATFORMS=cpu run_logged tests_cpu 180 \
+  "$python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_ops_fuzz.py \
+  tests/test_quant_gptq_native.py tests/test_quant_linalg_native.py
 
 phase "benchmark: benchmarks/kernels_gpu.py"
 run_logged kernels_gpu 200 "$python" benchmarks/kernels_gpu.py --output "$out/kernels_gpu.json"
