@@ -1,9 +1,11 @@
-"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering a group."""
+"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering a group,
+and the per-expert widths its Hessians and forward run on."""
 
 import numpy as np
 import pytest
 
-from qmoe_jax.calibration.experts import gather_group, hessian_token_cap, hessian_width, sort_by_expert
+from qmoe_jax.calibration.experts import (FORWARD_MIN_TOKENS, gather_group, hessian_token_cap, sort_by_expert,
+                                          token_width)
 
 
 def test_sort_by_expert_groups_kept_rows_in_buffer_order():
@@ -69,31 +71,74 @@ def test_experts_per_call_fits_the_memory_and_splits_evenly():
     (8, 1024, 8), (9, 1024, 9), (100, 1024, 104), (700, 1024, 704), (1000, 1024, 1024),
     (2049, 4096, 2304), (3000, 4096, 3072), (4096, 4096, 4096),
 ])
-def test_hessian_width_covers_every_kept_token(last, size, width):
+def test_token_width_covers_every_kept_token(last, size, width):
     mask = np.zeros((3, size), bool)
     if last:
         mask[1, last - 1] = True  # the last kept token of the group, in its middle expert
         mask[0, : last // 2] = True
-    assert hessian_width(mask) == width
+    assert token_width(mask) == width
+    assert token_width(mask[1]) == width  # one expert's row
     assert width >= last and (width - last) * 8 <= max(last, 64)  # at most 12.5% over (beyond tiny widths)
 
 
+def test_token_width_floor_stays_inside_the_buffer():
+    mask = np.zeros(1024, bool)
+    mask[:10] = True
+    assert token_width(mask) == 10
+    assert token_width(mask, floor=64) == 64
+    assert token_width(mask[:32], floor=64) == 32  # a buffer narrower than the floor
+
+
+def _uneven_group(cols: int, counts, size: int, seed: int):
+    rng = np.random.default_rng(seed)
+    tokens = np.zeros((len(counts), size, cols), np.float32)
+    mask = np.zeros((len(counts), size), bool)
+    for expert, count in enumerate(counts):
+        tokens[expert, :count] = rng.standard_normal((count, cols))
+        mask[expert, :count] = rng.random(count) < 0.9
+    return tokens, mask
+
+
 @pytest.mark.parametrize("cols", [768, 3072])
-def test_hessians_of_trimmed_tokens_are_bit_identical(cols):
-    """The calibration pass computes Hessians on ``hessian_width`` columns of the padded buffer, not all of it:
-    XLA's matmul must sum a product alike whatever zero (masked) rows follow, so the codes cannot change."""
+def test_hessians_on_each_experts_own_width_match_the_padded_group(cols):
+    """The calibration pass computes each expert's Hessian on its own ``token_width``, not the group's padded
+    length: the same sums up to float rounding (the matmul splits a different number of rows)."""
     import jax.numpy as jnp
 
-    from qmoe_jax.quant import expert_hessians
+    from qmoe_jax.quant import expert_hessians, hessian
 
-    rng = np.random.default_rng(cols)
-    tokens = rng.standard_normal((3, 4096, cols)).astype(np.float32)
-    mask = np.zeros((3, 4096), bool)
-    for expert, count in enumerate((2500, 3000, 2049)):
-        mask[expert, :count] = rng.random(count) < 0.9
-    full, full_counts = expert_hessians(jnp.asarray(tokens), jnp.asarray(mask))
-    width = hessian_width(mask)
-    assert width == 3072
-    trimmed, counts = expert_hessians(jnp.asarray(tokens[:, :width]), jnp.asarray(mask[:, :width]))
-    np.testing.assert_array_equal(np.asarray(counts), np.asarray(full_counts))
-    np.testing.assert_array_equal(np.asarray(trimmed), np.asarray(full))
+    tokens, mask = _uneven_group(cols, (2500, 300, 517, 64), 4096, cols)
+    padded, _ = expert_hessians(jnp.asarray(tokens), jnp.asarray(mask))
+    for expert in range(len(tokens)):
+        width = token_width(mask[expert])
+        own = hessian(jnp.asarray(tokens[expert, :width]), jnp.asarray(mask[expert, :width]))
+        scale = float(jnp.abs(padded[expert]).max())
+        np.testing.assert_allclose(np.asarray(own), np.asarray(padded[expert]), rtol=0, atol=1e-5 * scale)
+
+
+def test_expert_outputs_on_their_own_width_match_the_padded_buffer():
+    """An expert's forward runs on its tokens' width (at least FORWARD_MIN_TOKENS), zero past it; the rows it
+    computes equal the padded buffer's (bit for bit on XLA:CPU from 64 rows on, as measured; checked to
+    rounding here)."""
+    import jax.numpy as jnp
+
+    from qmoe_jax.calibration.experts import _expert_outputs
+    from qmoe_jax.calibration.sublayers import expert_outputs
+    from qmoe_jax.models import get_config
+
+    config = get_config("switch-mini-8")
+    rng = np.random.default_rng(3)
+    in_kernels = {"wi": jnp.asarray(rng.standard_normal((config.d_model, config.d_ff)).astype(np.float32) * 0.1)}
+    out_kernel = jnp.asarray(rng.standard_normal((config.d_ff, config.d_model)).astype(np.float32) * 0.1)
+    for count in (0, 5, 200, 1024):
+        inputs = np.zeros((1024, config.d_model), np.float32)
+        inputs[:count] = rng.standard_normal((count, config.d_model))
+        gates = np.zeros(1024, np.float32)
+        gates[:count] = rng.random(count)
+        valid = np.arange(1024) < count
+        padded = np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs), jnp.asarray(gates)))
+        own = _expert_outputs(config, in_kernels, out_kernel, inputs, gates, valid)
+        width = token_width(valid, floor=FORWARD_MIN_TOKENS)
+        assert width >= max(count, 1) and width >= min(FORWARD_MIN_TOKENS, 1024)
+        np.testing.assert_allclose(own[valid], padded[valid], rtol=1e-6, atol=1e-6)
+        assert not own[width:].any()

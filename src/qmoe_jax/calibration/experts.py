@@ -9,6 +9,17 @@ expert), quantized by vmapped GPTQ, and then every kept token of the group
 runs through the *quantized* experts; its gated output is written back.
 Kernels are fetched from the checkpoint one group at a time.
 
+The Hessians and the experts' forward run one expert at a time, each on its
+own tokens only (``token_width``: up to its last one, rounded up to one of 8
+steps per power of two), not on the group's padded length: routing is uneven
+(the busiest expert of a switch-base-shaped layer gets about twice the mean),
+and the padding multiplied the work of both phases by the group's max/mean.
+In benchmarks/compress_time.py's encoder layer (16 switch-base experts with
+504-3765 tokens each, mean 1987) the Hessians took 10.1-10.8 s against
+14.8-15.6 s on the padded 3840 tokens, and the forward 9.4-9.9 s against
+14.9-15.0 s on 4096, on 2 cores of a Zen 3 VM. Each new width compiles its
+small programs once (about 0.1 s each).
+
 Orientation: T5X kernels are ``wi [E, d, f]``, ``wo [E, f, d]`` (y = x·K);
 GPTQ and the compressed format use W = Kᵀ (rows = outputs).
 """
@@ -16,6 +27,7 @@ GPTQ and the compressed format use W = Kᵀ (rows = outputs).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 
@@ -26,7 +38,7 @@ import numpy as np
 from qmoe_jax.calibration.sublayers import expert_hidden, expert_outputs
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import input_kernel_names, kernel_names
-from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, expert_hessians, quantize_expert_group
+from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, hessian, quantize_expert_group
 from qmoe_jax.quant import cap_tokens, rtn, token_cap
 
 
@@ -95,18 +107,31 @@ def _bucket(n: int) -> int:
     return max(8, 1 << max(0, n - 1).bit_length())
 
 
-def hessian_width(hessian_mask: np.ndarray) -> int:
-    """Token columns of ``hessian_mask[g, n]`` the Hessians need: up to its last kept token, rounded up to one
-    of 8 steps per power of two (at most 12.5% over, and few distinct jit shapes).
+# Fewest token rows one expert's forward runs on (where the buffer has them): XLA:CPU's matmul gives every
+# row the same bits whatever the number of rows from 64 on (not below), so an expert's outputs do not depend
+# on how many tokens it has beyond that (tests/test_calibration_experts.py).
+FORWARD_MIN_TOKENS = 64
 
-    The gathered buffer is padded to the next power of two of the group's largest expert, often twice the tokens
-    the Hessians count; the trimmed columns are masked for every expert, and XLA:CPU's matmul sums a product
-    alike whatever zero rows follow (checked bit for bit in tests/test_calibration_experts.py).
-    """
-    kept = np.asarray(hessian_mask).any(axis=0)
+
+def token_width(mask: np.ndarray, floor: int = 8) -> int:
+    """Token columns of ``mask[..., n]`` (one expert's row, or several) that the work needs: up to the last True,
+    rounded up to one of 8 steps per power of two (at most 12.5% over, and few distinct jit shapes), at least
+    ``floor``, at most n. Columns past it are all False."""
+    kept = np.asarray(mask).reshape(-1, np.shape(mask)[-1]).any(axis=0)
     last = int(np.flatnonzero(kept)[-1]) + 1 if kept.any() else 1
     step = 1 << max(0, last.bit_length() - 4)
-    return min(max(8, -(-last // step) * step), kept.size)
+    return min(max(floor, -(-last // step) * step), kept.size)
+
+
+@jax.jit
+def _input_hessian(tokens: jax.Array, mask: jax.Array) -> jax.Array:
+    return hessian(tokens, mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _hidden_hessian(config: SwitchConfig, input_kernels, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+    """The output kernel's Hessian from one expert's MLP inputs: its hidden activations through ``input_kernels``."""
+    return hessian(expert_hidden(config, input_kernels, tokens), mask)
 
 
 def dequantized_t5x_kernel(kernel: QuantizedKernel, grid: GridConfig) -> jax.Array:
@@ -175,9 +200,29 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         seconds["gptq"] += time.perf_counter() - started
         return quantized, fallback, seconds
 
-    def quantize(name: str, inputs_of: Callable[[slice], jax.Array], cols: int) -> None:
+    counts = tokens.hessian_mask.sum(axis=1, dtype=np.int32)
+    widths = [token_width(tokens.hessian_mask[e]) for e in range(len(tokens.rows))]
+
+    def expert_tokens(e: int) -> tuple[jax.Array, jax.Array]:
+        """Expert e's MLP inputs and Hessian mask, on its own width (not the group's)."""
+        return jnp.asarray(inputs[e, : widths[e]]), jnp.asarray(tokens.hessian_mask[e, : widths[e]])
+
+    def input_hessian(e: int) -> jax.Array:
+        return _input_hessian(*expert_tokens(e))
+
+    def output_hessian(e: int) -> jax.Array:
+        """wo's Hessian of expert e: its activations through the original input kernels (QMoE), or through the
+        quantized ones (true-sequential)."""
+        if settings.true_sequential:
+            in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(slice(e, e + 1)), settings.grid)[0]
+                          for n in names}
+        else:
+            in_kernels = {n: jnp.asarray(kernels[n][e], jnp.float32) for n in names}
+        return _hidden_hessian(config, in_kernels, *expert_tokens(e))
+
+    def quantize(name: str, hessian_of: Callable[[int], jax.Array], cols: int) -> None:
         """Hessians + GPTQ of one kernel, in calls of at most ``experts_per_call`` experts;
-        ``inputs_of(part)`` gives the kernel's inputs for those experts only."""
+        ``hessian_of(e)`` gives expert e's Hessian for the kernel."""
         experts = len(tokens.rows)
         rows = kernels[name].shape[2]  # T5X kernels are [g, in, out]: W has out rows
         step = settings.experts_per_call(rows, cols, experts)
@@ -185,12 +230,12 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         for start in range(0, experts, step):
             part = slice(start, start + step)
             started = time.perf_counter()
-            hessians, counts = expert_hessians(inputs_of(part), mask[part])
+            hessians = jnp.stack([hessian_of(e) for e in range(experts)[part]])
             hessians.block_until_ready()
             seconds["hessian"] += time.perf_counter() - started
             started = time.perf_counter()
-            result = quantize_expert_group(weights_of(name, part), hessians, counts, settings.grid, settings.gptq,
-                                           mesh=mesh)
+            result = quantize_expert_group(weights_of(name, part), hessians, jnp.asarray(counts[part]), settings.grid,
+                                           settings.gptq, mesh=mesh)
             del hessians
             codes.append(np.asarray(result.codes))
             params.append(np.asarray(result.grid_params))
@@ -198,45 +243,43 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
             seconds["gptq"] += time.perf_counter() - started
         quantized[name] = QuantizedKernel(np.concatenate(codes), np.concatenate(params))
 
-    def hidden_of(part: slice) -> jax.Array:
-        """wo's inputs for the experts of ``part``: activations through the original input
-        kernels (QMoE), or through the quantized ones (true-sequential)."""
-        if settings.true_sequential:
-            in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(part), settings.grid) for n in names}
-        else:
-            in_kernels = {n: jnp.asarray(kernels[n][part], jnp.float32) for n in names}
-        return jax.vmap(lambda xs, ks: expert_hidden(config, ks, xs))(x[part], in_kernels)
-
-    width = hessian_width(tokens.hessian_mask)  # one width for all calls: one compile per shape
-    mask = jnp.asarray(tokens.hessian_mask[:, :width])
-    x = jnp.asarray(inputs[:, :width])
     for name in names:
-        quantize(name, lambda part: x[part], config.d_model)
-    quantize("wo", hidden_of, config.d_ff)
+        quantize(name, input_hessian, config.d_model)
+    quantize("wo", output_hessian, config.d_ff)
     return quantized, fallback, seconds
 
 
+def _expert_outputs(config: SwitchConfig, in_kernels, out_kernel, inputs: np.ndarray, gates: np.ndarray,
+                    valid: np.ndarray) -> np.ndarray:
+    """Gated outputs ``[n, d]`` of one expert for its tokens ``inputs [n, d]``: computed on its own width
+    (``token_width`` of ``valid``, at least FORWARD_MIN_TOKENS), zero past it."""
+    width = token_width(valid, floor=FORWARD_MIN_TOKENS)
+    outputs = np.zeros(inputs.shape, np.float32)
+    outputs[:width] = np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs[:width]),
+                                                jnp.asarray(gates[:width])))
+    return outputs
+
+
 def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, QuantizedKernel],
-                  inputs: np.ndarray, gates: np.ndarray) -> np.ndarray:
-    """Gated outputs ``[g, n, d]`` of the group's tokens through the quantized experts."""
+                  inputs: np.ndarray, gates: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Gated outputs ``[g, n, d]`` of the group's tokens (``valid [g, n]``) through the quantized experts."""
     names = input_kernel_names(config)
     outputs = np.empty(inputs.shape, np.float32)
     for e in range(inputs.shape[0]):  # one expert's dequantized kernels at a time
         one = slice(e, e + 1)
         in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(one), grid)[0] for n in names}
         out_kernel = dequantized_t5x_kernel(quantized["wo"].part(one), grid)[0]
-        outputs[e] = np.asarray(
-            expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs[e]), jnp.asarray(gates[e]))
-        )
+        outputs[e] = _expert_outputs(config, in_kernels, out_kernel, inputs[e], gates[e], valid[e])
     return outputs
 
 
 def original_expert_outputs(config: SwitchConfig, kernels: dict[str, np.ndarray], expert: int, inputs: np.ndarray,
-                            gates: np.ndarray) -> np.ndarray:
-    """Gated outputs ``[n, d]`` of one expert of the group through its original (T5X float) kernels."""
+                            gates: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """Gated outputs ``[n, d]`` of one expert of the group (tokens ``valid [n]``) through its original (T5X float)
+    kernels."""
     in_kernels = {n: jnp.asarray(kernels[n][expert], jnp.float32) for n in input_kernel_names(config)}
     out_kernel = jnp.asarray(kernels["wo"][expert], jnp.float32)
-    return np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs), jnp.asarray(gates)))
+    return _expert_outputs(config, in_kernels, out_kernel, inputs, gates, valid)
 
 
 def sort_by_expert(expert: np.ndarray, kept: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:

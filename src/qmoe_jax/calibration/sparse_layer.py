@@ -130,7 +130,7 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         started = time.perf_counter()
         values, gates = _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
         for e in range(len(experts)):  # one expert's reference outputs at a time
-            reference = original_expert_outputs(config, kernels, e, inputs[e], gates[e])
+            reference = original_expert_outputs(config, kernels, e, inputs[e], gates[e], group.valid[e])
             error.add(values[e], reference, group.valid[e], tokens.premask[group.rows[e]])
         seconds["forward"] += time.perf_counter() - started
         on_group(len(experts))
@@ -184,6 +184,6 @@ def replay_layer(config: SwitchConfig, settings: ExpertCompressionConfig, tokens
 def _write_outputs(config, settings, quantized, tokens: LayerTokens, group, inputs, outputs):
     """Writes the group's gated outputs into ``outputs``; returns them ``[g, n, d]`` and the gates ``[g, n]``."""
     gates = np.where(group.valid, tokens.gate[group.rows], 0.0).astype(np.float32)
-    values = group_outputs(config, settings.grid, quantized, inputs, gates)
+    values = group_outputs(config, settings.grid, quantized, inputs, gates, group.valid)
     outputs[group.rows[group.valid]] = values[group.valid]
     return values, gates
