@@ -134,10 +134,16 @@ def _hidden_hessian(config: SwitchConfig, input_kernels, tokens: jax.Array, mask
     return hessian(expert_hidden(config, input_kernels, tokens), mask)
 
 
+@functools.partial(jax.jit, static_argnames="grid")
+def _dequantized_t5x(codes: jax.Array, grid_params: jax.Array, *, grid: GridConfig) -> jax.Array:
+    return jnp.swapaxes(jax.vmap(lambda c, p: dequantize_codes(c, p, grid))(codes, grid_params), 1, 2)
+
+
 def dequantized_t5x_kernel(kernel: QuantizedKernel, grid: GridConfig) -> jax.Array:
-    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back)."""
-    weights = jax.vmap(lambda c, p: dequantize_codes(c, p, grid))(jnp.asarray(kernel.codes), jnp.asarray(kernel.grid_params))
-    return jnp.swapaxes(weights, 1, 2)
+    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back). Jitted: the eager vmap
+    dispatched each op apart, 3-9 ms per expert against 0.4-4.8 ms (switch-mini and switch-base shapes), with
+    the same values (selects, or a subtraction then a product)."""
+    return _dequantized_t5x(jnp.asarray(kernel.codes), jnp.asarray(kernel.grid_params), grid=grid)
 
 
 @dataclasses.dataclass
