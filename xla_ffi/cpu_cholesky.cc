@@ -72,7 +72,7 @@ __attribute__((target("avx2"))) void FactorItemAvx2(const float* matrix, int64_t
   FactorItem(matrix, n, lower, inverse, columns);
 }
 
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq"))) void FactorItemAvx512(
+QMOE_AVX512_TARGET("avx512f,avx512vl,avx512bw,avx512dq") void FactorItemAvx512(
     const float* matrix, int64_t n, float* lower, float* inverse, float* columns) {
   FactorItem(matrix, n, lower, inverse, columns);
 }

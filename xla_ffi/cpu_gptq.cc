@@ -153,7 +153,7 @@ __attribute__((target("avx2"))) void QuantizeRowsAvx2(const Block& block, int64_
   QuantizeRows(block, begin, count, scratch);
 }
 
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq"))) void QuantizeRowsAvx512(
+QMOE_AVX512_TARGET("avx512f,avx512vl,avx512bw,avx512dq") void QuantizeRowsAvx512(
     const Block& block, int64_t begin, int64_t count, float* scratch) {
   QuantizeRows(block, begin, count, scratch);
 }

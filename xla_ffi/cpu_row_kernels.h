@@ -18,6 +18,16 @@
 
 #include "qmoe_format.h"
 
+// The target attribute of code built for AVX-512. The test build with
+// QMOE_EMULATE_AVX512 (.ci/avx512_emulated) builds that code for the host
+// instead, with the row kernels' intrinsics replaced by scalar stand-ins
+// (avx512_emulation.h), so that a CPU without AVX-512 runs its logic.
+#if defined(QMOE_EMULATE_AVX512)
+#define QMOE_AVX512_TARGET(features)
+#else
+#define QMOE_AVX512_TARGET(features) __attribute__((target(features)))
+#endif
+
 namespace qmoe::cpu {
 
 // Zero floats behind each dense row, so a 32-float window at any codeword

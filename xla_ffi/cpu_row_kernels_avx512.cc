@@ -4,13 +4,17 @@
 // rows decode in lockstep to overlap their dependency chains. Entries that
 // overflow their slots go through the masks, checked for only when the
 // dictionary has such entries.
-#include <immintrin.h>
-
 #include <algorithm>
 
 #include "cpu_row_kernels.h"
 
-#define QMOE_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,bmi,bmi2,popcnt")))
+#if defined(QMOE_EMULATE_AVX512)
+#include "avx512_emulation.h"
+#else
+#include <immintrin.h>
+#endif
+
+#define QMOE_AVX512 QMOE_AVX512_TARGET("avx512f,avx512bw,avx512vl,avx512dq,bmi,bmi2,popcnt")
 #define QMOE_AVX512_INLINE QMOE_AVX512 __attribute__((always_inline)) inline
 
 namespace qmoe::cpu {
@@ -211,6 +215,9 @@ QMOE_AVX512 void ScatterTokenRows(float* table, const int32_t* index, int64_t co
 }  // namespace
 
 bool CpuHasAvx512() {
+#if defined(QMOE_EMULATE_AVX512)
+  return true;  // the test build's scalar stand-ins run anywhere
+#endif
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
          __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt");
