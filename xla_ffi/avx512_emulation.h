@@ -1,6 +1,6 @@
 // Scalar stand-ins for the AVX-512 intrinsics that cpu_row_kernels_avx512.cc
 // uses, for a test build only (CMake option QMOE_EMULATE_AVX512, run by
-// .ci/avx512_emulated). They let a machine without AVX-512 run the AVX-512
+// .ci/asan_fuzz). They let a machine without AVX-512 run the AVX-512
 // row kernels' logic: lane selection, masks, permute indices, position
 // lists. They are not the hardware: they check what the code asks the
 // instructions to do (as Intel's intrinsics guide defines each one), not how

@@ -19,7 +19,7 @@
 #include "qmoe_format.h"
 
 // The target attribute of code built for AVX-512. The test build with
-// QMOE_EMULATE_AVX512 (.ci/avx512_emulated) builds that code for the host
+// QMOE_EMULATE_AVX512 (.ci/asan_fuzz) builds that code for the host
 // instead, with the row kernels' intrinsics replaced by scalar stand-ins
 // (avx512_emulation.h), so that a CPU without AVX-512 runs its logic.
 #if defined(QMOE_EMULATE_AVX512)
