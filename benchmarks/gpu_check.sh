@@ -2,7 +2,7 @@
 # The GPU check of the CUDA kernels (issue #5), unattended, in under about 8
 # minutes on one H100/H200-class GPU:
 #   1. builds the extension with QMOE_CUDA=ON in-tree (cmake + ninja + nvcc;
-#      the module lands in qmoe_jax/ and is used through PYTHONPATH);
+#      the module lands in src/qmoe_jax/, used through PYTHONPATH=src);
 #   2. runs tests/test_ops_cuda.py on the GPU, then the CPU op and native
 #      GPTQ tests (tests/test_ops.py, tests/test_ops_fuzz.py,
 #      tests/test_quant_gptq_native.py, tests/test_quant_linalg_native.py)
@@ -69,7 +69,7 @@ run_logged build 240 bash -c "cmake -S . -B build/gpu-check -G Ninja -DCMAKE_BUI
   -DQMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES='80;90' -DCMAKE_CUDA_COMPILER='$nvcc' \
   -DPython_EXECUTABLE='$python' && cmake --build build/gpu-check --parallel" || exit 1
 
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # the src layout: the root holds no qmoe_jax/
 export PYTHONUNBUFFERED=1
 "$python" -c "from qmoe_jax import ops; assert ops.has_cuda_kernels(); print('CUDA handlers registered')" \
   || { echo "gpu_check: the built extension has no CUDA handlers"; exit 1; }
