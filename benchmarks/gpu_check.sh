@@ -10,7 +10,10 @@
 #      has (the op tests run each one; the GPTQ tests compare the fastest
 #      with portable): on a host with AVX-512 this is where the AVX-512 CPU
 #      kernels get tested, which CI's machines cannot do;
-#   3. runs benchmarks/kernels_gpu.py (table on stdout, JSON to $OUT or
+#   3. times the CPU matvec under each of those instruction sets, taking
+#      turns (benchmarks/matvec_scaling.py --isas): which kernel the host's
+#      CPU should pick;
+#   4. runs benchmarks/kernels_gpu.py (table on stdout, JSON to $OUT or
 #      benchmarks/results/).
 # Assumes, and installs nothing (the GPU machine has no network): python3 with
 # jax + jaxlib + the CUDA plugin, numpy, ml_dtypes, pybind11, pytest and
@@ -84,6 +87,9 @@ JAX_PLATFORMS=cpu "$python" -c "from qmoe_jax import ops; print('CPU kernels:', 
 JAX_PLATFORMS=cpu run_logged tests_cpu 180 \
   "$python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_ops_fuzz.py \
   tests/test_quant_gptq_native.py tests/test_quant_linalg_native.py
+
+phase "CPU matvec per instruction set (benchmarks/matvec_scaling.py --isas): is AVX-512 or AVX2 faster here?"
+JAX_PLATFORMS=cpu run_logged matvec_isas 60 "$python" benchmarks/matvec_scaling.py --isas --calls 60
 
 phase "benchmark: benchmarks/kernels_gpu.py"
 run_logged kernels_gpu 200 "$python" benchmarks/kernels_gpu.py --output "$out/kernels_gpu.json"

@@ -8,6 +8,18 @@ scales:
 
     python benchmarks/matvec_scaling.py
     taskset -c 0 python benchmarks/matvec_scaling.py
+
+With --isas, each instruction set the CPU kernels have here (``ops.cpu_isas()``)
+is timed on the same matrices, taking turns call by call (QMOE_CPU_ISA is read
+at each call), so that their ratio comes from one stretch of the machine: on an
+AVX-512 CPU this says whether the AVX-512 or the AVX2 kernel is the faster
+(``benchmarks/gpu_check.sh`` runs it on its host):
+
+    python benchmarks/matvec_scaling.py --isas
+
+The compressed matrices are placed on the device once (``jax.device_put``), as a
+model's parameters are: a CompressedMatrix of NumPy arrays would be copied to
+the device at every call, and that copy would be timed too.
 """
 
 from __future__ import annotations
@@ -41,24 +53,58 @@ def median_ms(fn, *args, calls: int) -> float:
     return float(np.median(times)) * 1e3
 
 
+def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
+    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns call by call."""
+    saved = os.environ.get("QMOE_CPU_ISA")
+    times = {isa: [] for isa in isas}
+    try:
+        for isa in isas:  # one untimed call each
+            os.environ["QMOE_CPU_ISA"] = isa
+            fn(*args).block_until_ready()
+        for _ in range(calls):
+            for isa in isas:
+                os.environ["QMOE_CPU_ISA"] = isa
+                started = time.perf_counter()
+                fn(*args).block_until_ready()
+                times[isa].append(time.perf_counter() - started)
+    finally:
+        if saved is None:
+            os.environ.pop("QMOE_CPU_ISA", None)
+        else:
+            os.environ["QMOE_CPU_ISA"] = saved
+    return {isa: float(np.median(t)) * 1e3 for isa, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--isas", action="store_true",
+                        help="time every instruction set the kernels have here, taking turns")
     args = parser.parse_args()
     dictionary = build_dictionary(0.885)
     rng = np.random.default_rng(0)
     kernel = jax.jit(lambda w, x: ops.matvec(w, x, dictionary))
     dense = jax.jit(lambda w, x: w @ x)
-    print(f"cores available: {len(os.sched_getaffinity(0))}, jax {jax.__version__}, kernels: {ops.cpu_isas()}")
-    print(f"{'W':>10} {'codewords':>10} {'kernel ms':>10} {'M cw/s':>8} {'dense ms':>9} {'ratio':>6}")
+    isas = ops.cpu_isas() if args.isas else [os.environ.get("QMOE_CPU_ISA") or "auto"]
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               "unknown")
+    print(f"CPU {cpu}; cores available: {len(os.sched_getaffinity(0))}, jax {jax.__version__}, "
+          f"kernels here: {ops.cpu_isas()}, timed: {isas}")
+    print(f"{'W':>10} {'codewords':>10} {'ISA':>9} {'kernel ms':>10} {'M cw/s':>8} {'dense ms':>9} {'ratio':>6}")
     for rows, cols in SHAPES:
         w, weights = compressed_data.matrix(rng, dictionary, rows, cols)
+        w = jax.device_put(w)
         x = jnp.asarray(rng.standard_normal(cols).astype(np.float32))
         weights = jnp.asarray(weights)
         codewords = int(np.asarray(w.row_offsets)[-1])
-        k = median_ms(kernel, w, x, calls=args.calls)
+        if args.isas:
+            kernel_ms = isa_medians_ms(kernel, w, x, isas=isas, calls=args.calls)
+        else:
+            kernel_ms = {isas[0]: median_ms(kernel, w, x, calls=args.calls)}
         d = median_ms(dense, weights, x, calls=args.calls)
-        print(f"{rows:>5}×{cols:<4} {codewords:>10} {k:>10.3f} {codewords / k / 1e3:>8.0f} {d:>9.3f} {k / d:>6.2f}")
+        for isa, k in kernel_ms.items():
+            print(f"{rows:>5}×{cols:<4} {codewords:>10} {isa:>9} {k:>10.3f} {codewords / k / 1e3:>8.0f} "
+                  f"{d:>9.3f} {k / d:>6.2f}")
 
 
 if __name__ == "__main__":
