@@ -9,7 +9,8 @@
 #      with JAX_PLATFORMS=cpu, under every instruction set the host's CPU
 #      has (the op tests run each one; the GPTQ tests compare the fastest
 #      with portable): on a host with AVX-512 this is where the AVX-512 CPU
-#      kernels get tested, which CI's machines cannot do;
+#      kernels run on hardware (CI's .ci/asan_fuzz runs their logic through
+#      scalar stand-ins of the intrinsics only);
 #   3. times the CPU matvec under each of those instruction sets, taking
 #      turns (benchmarks/matvec_scaling.py --isas): which kernel the host's
 #      CPU should pick;
