@@ -34,8 +34,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compressed_data  # noqa: E402
+from machine import cpu_model  # noqa: E402
 
 from qmoe_jax import ops  # noqa: E402
 from qmoe_jax.codec import build_dictionary  # noqa: E402
@@ -54,7 +56,8 @@ def median_ms(fn, *args, calls: int) -> float:
 
 
 def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
-    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns call by call."""
+    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns call by call ("auto": the
+    kernels' own choice, as when the variable is unset)."""
     saved = os.environ.get("QMOE_CPU_ISA")
     times = {isa: [] for isa in isas}
     try:
@@ -86,9 +89,7 @@ def main() -> None:
     kernel = jax.jit(lambda w, x: ops.matvec(w, x, dictionary))
     dense = jax.jit(lambda w, x: w @ x)
     isas = ops.cpu_isas() if args.isas else [os.environ.get("QMOE_CPU_ISA") or "auto"]
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               "unknown")
-    print(f"CPU {cpu}; cores available: {len(os.sched_getaffinity(0))}, jax {jax.__version__}, "
+    print(f"CPU {cpu_model()}; cores available: {len(os.sched_getaffinity(0))}, jax {jax.__version__}, "
           f"kernels here: {ops.cpu_isas()}, timed: {isas}")
     print(f"{'W':>10} {'codewords':>10} {'ISA':>9} {'kernel ms':>10} {'M cw/s':>8} {'dense ms':>9} {'ratio':>6}")
     for rows, cols in SHAPES:
@@ -97,10 +98,7 @@ def main() -> None:
         x = jnp.asarray(rng.standard_normal(cols).astype(np.float32))
         weights = jnp.asarray(weights)
         codewords = int(np.asarray(w.row_offsets)[-1])
-        if args.isas:
-            kernel_ms = isa_medians_ms(kernel, w, x, isas=isas, calls=args.calls)
-        else:
-            kernel_ms = {isas[0]: median_ms(kernel, w, x, calls=args.calls)}
+        kernel_ms = isa_medians_ms(kernel, w, x, isas=isas, calls=args.calls)
         d = median_ms(dense, weights, x, calls=args.calls)
         for isa, k in kernel_ms.items():
             print(f"{rows:>5}×{cols:<4} {codewords:>10} {isa:>9} {k:>10.3f} {codewords / k / 1e3:>8.0f} "
