@@ -139,8 +139,10 @@ inline void ListEntryFromMasks(const DictionaryView& dictionary, uint16_t code, 
 // Per word class (qmoe_format.h): lanes 0..3 weigh fields 0..3 as plus
 // weights (1 or 0), lanes 4..7 as minus weights; the overflow class and
 // classes past 5*4 + 4 weigh nothing. Counts are the plus and minus fields.
+// The AVX2 rows_dot reads 8 floats at class * 8 + (0..7) (see WordControls
+// in cpu_row_kernels_avx2.cc), hence one zero row of padding.
 struct WordClasses {
-  alignas(32) float weights[kWordClasses][8];
+  alignas(32) float weights[kWordClasses + 1][8];
   int32_t plus_count[kWordClasses];
   int32_t minus_count[kWordClasses];
 };
