@@ -143,6 +143,10 @@ inline void ListEntryFromMasks(const DictionaryView& dictionary, uint16_t code, 
 // in cpu_row_kernels_avx2.cc), hence one zero row of padding.
 struct WordClasses {
   alignas(32) float weights[kWordClasses + 1][8];
+  // Lane i: the field that holds the class's i-th minus weight (plus_count
+  // + i, at most 3), for row_nonzeros' permute (AVX2); lanes past the minus
+  // count are don't-cares.
+  alignas(16) int32_t minus_fields[kWordClasses][4];
   int32_t plus_count[kWordClasses];
   int32_t minus_count[kWordClasses];
 };

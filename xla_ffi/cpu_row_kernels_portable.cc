@@ -1,5 +1,6 @@
 // Portable C++ row kernels: each codeword's nonzero weights come from its
 // word (qmoe_format.h), or from its mask bits when it overflows the word.
+#include <algorithm>
 #include <cstring>
 
 #include "cpu_row_kernels.h"
@@ -18,6 +19,7 @@ const WordClasses& WordClassTable() {
           classes.weights[kind][field] = field < plus ? 1.0f : 0.0f;
           classes.weights[kind][kWordFields + field] =
               field >= plus && field < plus + minus ? 1.0f : 0.0f;
+          classes.minus_fields[kind][field] = std::min(plus + field, kWordFields - 1);
         }
       }
     }
