@@ -10,8 +10,8 @@ scales:
     taskset -c 0 python benchmarks/matvec_scaling.py
 
 With --isas, each instruction set the CPU kernels have here (``ops.cpu_isas()``)
-is timed on the same matrices, taking turns call by call (QMOE_CPU_ISA is read
-at each call), so that their ratio comes from one stretch of the machine: on an
+is timed on the same matrices, taking turns in shuffled rounds of one call each
+(QMOE_CPU_ISA is read at each call), so that their ratio comes from one stretch of the machine: on an
 AVX-512 CPU this says whether the AVX-512 or the AVX2 kernel is the faster
 (``benchmarks/gpu_check.sh`` runs it on its host):
 
@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import compressed_data  # noqa: E402
+from kernels_cpu import side_by_side  # noqa: E402
 from machine import cpu_model  # noqa: E402
 
 from qmoe_jax import ops  # noqa: E402
@@ -56,26 +57,24 @@ def median_ms(fn, *args, calls: int) -> float:
 
 
 def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
-    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns call by call ("auto": the
-    kernels' own choice, as when the variable is unset)."""
+    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns in shuffled rounds of one call
+    each (kernels_cpu.side_by_side; "auto": the kernels' own choice, as when the variable is unset)."""
     saved = os.environ.get("QMOE_CPU_ISA")
-    times = {isa: [] for isa in isas}
-    try:
-        for isa in isas:  # one untimed call each
+
+    def under(isa):
+        def run():
             os.environ["QMOE_CPU_ISA"] = isa
-            fn(*args).block_until_ready()
-        for _ in range(calls):
-            for isa in isas:
-                os.environ["QMOE_CPU_ISA"] = isa
-                started = time.perf_counter()
-                fn(*args).block_until_ready()
-                times[isa].append(time.perf_counter() - started)
+            return fn(*args)
+        return run
+
+    try:
+        times = side_by_side({isa: under(isa) for isa in isas}, calls)
     finally:
         if saved is None:
             os.environ.pop("QMOE_CPU_ISA", None)
         else:
             os.environ["QMOE_CPU_ISA"] = saved
-    return {isa: float(np.median(t)) * 1e3 for isa, t in times.items()}
+    return {isa: t["median_ms"] for isa, t in times.items()}
 
 
 def main() -> None:
