@@ -4,14 +4,15 @@ Both matrices of one expert in y = W·x orientation (wi: W[3072, 768], H[768, 76
 wo: W[768, 3072], H[3072, 3072]), with Hessians from 1024 and 8192 synthetic
 correlated calibration tokens (gptq_grouping.py's layer with one expert). Each
 matrix is quantized the way the calibration pass does it (`quantize_expert_group`,
-one expert per call), in four variants taking turns in one run: "unrolled" (the
-default: outer block loop unrolled, the columns inside each block in the native CPU
-kernel, GPTQConfig.native_block, and the Cholesky's diagonal blocks in theirs,
-GPTQConfig.native_cholesky), "fori_loop" (a fori_loop over blocks, the same kernels;
-its codes must equal unrolled's bit for bit), "jnp_block" (unrolled, the jnp levels
-inside each block) and "jnp_cholesky" (unrolled, the Cholesky's diagonal blocks in
-its jnp loop). The last two differ from unrolled by float rounding only, and the
-fraction of codes equal to unrolled's is printed.
+one expert per call), in five variants taking turns in one run: "unrolled" (the
+default: outer block loop unrolled with super-blocks of 4 blocks, GPTQConfig.super_blocks,
+the columns inside each block in the native CPU kernel, GPTQConfig.native_block, and the
+Cholesky's diagonal blocks in theirs, GPTQConfig.native_cholesky), "no_super" (unrolled
+without super-blocks), "fori_loop" (a fori_loop over blocks, the same kernels; its codes
+must equal no_super's bit for bit), "jnp_block" (unrolled, the jnp levels inside each
+block) and "jnp_cholesky" (unrolled, the Cholesky's diagonal blocks in its jnp loop).
+no_super, jnp_block and jnp_cholesky differ from unrolled by float rounding only, and
+the fraction of codes equal to unrolled's is printed.
 
 Reported per token count, matrix and variant: seconds (best of --repeats), GFLOP/s and
 the fraction of the dense matmul rate (jnp.dot 2048x2048 f32, best of before and
@@ -64,7 +65,7 @@ from qmoe_jax.quant.linalg import BASE_SIZE
 
 GOAL = 0.60
 gptq_module = importlib.import_module("qmoe_jax.quant.gptq")  # the module (qmoe_jax.quant.gptq is the function)
-VARIANTS = {"unrolled": GPTQConfig(), "fori_loop": GPTQConfig(unroll_blocks=False),
+VARIANTS = {"unrolled": GPTQConfig(), "no_super": GPTQConfig(super_blocks=1), "fori_loop": GPTQConfig(unroll_blocks=False),
             "jnp_block": GPTQConfig(native_block=False), "jnp_cholesky": GPTQConfig(native_cholesky=False)}
 
 
@@ -125,11 +126,18 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
                                           sizes, native)[1]
                 for s in range(0, cols, step)]
 
-    def outer_updates(weights_t, scaled, factor_diag, params):  # the weights stand in for each block's residuals
-        corrections = jnp.zeros_like(weights_t)
-        for start in range(0, cols - outer, outer):
-            corrections = gptq_module._push_forward(corrections, scaled, weights_t[start:start + outer], start,
-                                                    start + outer)
+    def outer_updates(weights_t, scaled, factor_diag, params):  # the weights stand in for the residuals
+        # the unrolled sweep's updates: each block's onto the rest of its super-block, each super-block's onto
+        # all later columns
+        corrections, span = jnp.zeros_like(weights_t), outer * config.super_blocks
+        for first in range(0, cols, span):
+            last = min(first + span, cols)
+            for start in range(first, last - outer, outer):
+                corrections = gptq_module._push_forward(corrections, scaled, weights_t[start:start + outer], start,
+                                                        start + outer, start + outer, last)
+            if last < cols:
+                corrections = gptq_module._push_forward(corrections, scaled, weights_t[first:last], first, last,
+                                                        last, cols)
         return corrections
 
     def best(fn, **static):
@@ -164,7 +172,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
         factor_s = {native: min(factor_seconds([(weights, hessians)], 1, VARIANTS["unrolled"].damping, native)[0]
                                 for _ in range(args.repeats))
                     for native in {config.native_cholesky for config in VARIANTS.values()}}
-        identical = all(np.array_equal(np.asarray(getattr(results["unrolled"], field)),
+        identical = all(np.array_equal(np.asarray(getattr(results["no_super"], field)),
                                        np.asarray(getattr(results["fori_loop"], field)))
                         for field in ("codes", "grid_params", "fallback"))
         hessian_s = hessian_seconds(tokens, cols, args.repeats, args.seed)
@@ -189,11 +197,11 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
 
 
 def codes_column(row: dict) -> str:
-    """unrolled and fori_loop: whether their codes are identical; jnp_block and jnp_cholesky: the fraction equal
-    to unrolled's."""
-    if row["variant"] in ("jnp_block", "jnp_cholesky"):
-        return f"{row['codes_equal_to_unrolled']:.4%} equal"
-    return "identical" if row["codes_identical_across_variants"] else "DIFFER"
+    """fori_loop: whether its codes are identical to no_super's; the other variants: the fraction equal to
+    unrolled's."""
+    if row["variant"] == "fori_loop":
+        return "= no_super" if row["codes_identical_across_variants"] else "DIFFER"
+    return f"{row['codes_equal_to_unrolled']:.4%} equal"
 
 
 def with_rates(row: dict, rate: float, rate_per_cpu: float) -> dict:

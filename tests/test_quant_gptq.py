@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -77,11 +78,14 @@ def test_block_sizes_change_only_float_rounding(config):
 
 
 @pytest.mark.parametrize("grid", [TERNARY, GridConfig("minmax", 2)], ids=["ternary", "minmax2"])
-@pytest.mark.parametrize("config", [GPTQConfig(block_size=64), GPTQConfig(block_size=32, sub_block_size=32),
-                                    GPTQConfig(block_size=64, act_order=True)], ids=["b64-s16", "b32-flat", "act-order"])
+@pytest.mark.parametrize("config", [GPTQConfig(block_size=64, super_blocks=1),
+                                    GPTQConfig(block_size=32, sub_block_size=32, super_blocks=1),
+                                    GPTQConfig(block_size=64, act_order=True, super_blocks=1)],
+                         ids=["b64-s16", "b32-flat", "act-order"])
 def test_unrolled_blocks_give_the_fori_loops_codes_bit_for_bit(grid, config):
-    # 300 columns: several outer blocks and a padded last one; the unrolled sweep's trailing-only updates
-    # must add the same products in the same order as the full-width updates of the fori_loop over blocks
+    # 300 columns: several outer blocks and a padded last one; without super-blocks the unrolled sweep's
+    # trailing-only updates must add the same products in the same order as the full-width updates of the
+    # fori_loop over blocks
     weights, inputs = correlated_problem(9, rows=48, cols=300, rank=40)
     hessian = inputs.T @ inputs
     unrolled = gptq_jit(weights, hessian, grid=grid, config=config)
@@ -92,6 +96,30 @@ def test_unrolled_blocks_give_the_fori_loops_codes_bit_for_bit(grid, config):
     np.testing.assert_array_equal(np.asarray(unrolled.loss), np.asarray(looped.loss))
     batched = jax.jit(jax.vmap(lambda w, h: gptq(w, h, grid, config)))(np.stack([weights] * 3), np.stack([hessian] * 3))
     np.testing.assert_array_equal(np.asarray(batched.codes[1]), np.asarray(looped.codes))
+
+
+def test_super_blocks_change_only_float_rounding_and_stay_batch_invariant():
+    # 200 columns in blocks of 32: 7 blocks (the last padded); 3 per super-block leaves a partial last one,
+    # 8 makes one super-block, which is the same as none (every block's update reaches all later columns)
+    weights, inputs = correlated_problem(9, rows=48, cols=200, rank=40)
+    hessian = inputs.T @ inputs
+    config = GPTQConfig(block_size=32, super_blocks=3)
+    plain = gptq_jit(weights, hessian, grid=TERNARY, config=dataclasses.replace(config, super_blocks=1))
+    whole = gptq_jit(weights, hessian, grid=TERNARY, config=dataclasses.replace(config, super_blocks=8))
+    np.testing.assert_array_equal(np.asarray(whole.codes), np.asarray(plain.codes))
+    batched = jax.jit(jax.vmap(lambda w, h: gptq(w, h, TERNARY, config)))(np.stack([weights] * 3),
+                                                                         np.stack([hessian] * 3))
+    result = jax.tree.map(lambda x: x[2], batched)
+    assert bool(result.ok)
+    assert np.mean(np.asarray(result.codes) == np.asarray(plain.codes)) >= 0.995
+    np.testing.assert_allclose(float(result.loss), float(plain.loss), rtol=1e-4)
+    alone = gptq_jit(weights, hessian, grid=TERNARY, config=config)
+    np.testing.assert_array_equal(np.asarray(alone.codes), np.asarray(result.codes))
+    # the level is really there: a super-block's update multiplies its 3 × 32 residual rows at once
+    lowered = {sb: jax.jit(lambda w, h, sb=sb: gptq(w, h, TERNARY, dataclasses.replace(config, super_blocks=sb)))
+               .lower(weights, hessian).as_text() for sb in (1, 3)}
+    update = re.compile(r"\(tensor<\d+x96xf32>, tensor<96x48xf32>\) -> ")
+    assert update.search(lowered[3]) and not update.search(lowered[1])
 
 
 def test_act_order_quantizes_by_descending_diagonal_and_restores_column_order():
@@ -128,14 +156,24 @@ def test_dead_columns_are_zeroed_like_gptq():
     assert np.mean(np.asarray(result.codes) == textbook_gptq(weights, hessian, TERNARY)) >= 0.998
 
 
-@pytest.mark.parametrize("case", ["nan", "negative_definite", "all_zero", "indefinite"])
+def _with_entry(matrix, row, col, value):
+    matrix = matrix.copy()
+    matrix[row, col] = matrix[col, row] = value
+    return matrix
+
+
+@pytest.mark.parametrize("case", ["nan", "negative_definite", "all_zero", "indefinite", "one_nan_off_diagonal",
+                                  "one_inf_off_diagonal"])
 def test_unusable_hessians_fall_back_to_rtn_as_data(case):
+    # ok is read from R's diagonal: a single bad entry off it must still reach a pivot (gptq's comment)
     weights, inputs = correlated_problem(10)
     hessian = {
         "nan": np.full((160, 160), np.nan, np.float32),
         "negative_definite": -(inputs.T @ inputs),
         "all_zero": np.zeros((160, 160), np.float32),
         "indefinite": np.diag(np.r_[np.ones(159), -1e6]).astype(np.float32),
+        "one_nan_off_diagonal": _with_entry(inputs.T @ inputs, 3, 150, np.nan),
+        "one_inf_off_diagonal": _with_entry(inputs.T @ inputs, 140, 150, np.inf),
     }[case]
     result = gptq_jit(weights, hessian, grid=TERNARY)
     assert not bool(result.ok)
@@ -155,6 +193,8 @@ def test_bad_inputs_and_options_raise_clear_errors():
         GPTQConfig(damping=0.0)
     assert GPTQConfig().block_sizes == (128, 16, 1)
     assert GPTQConfig(block_size=16).block_sizes == (16, 1)
+    with pytest.raises(ValueError, match="super_blocks"):
+        GPTQConfig(super_blocks=0)
 
 
 @pytest.mark.parametrize("config", [GPTQConfig(), GPTQConfig(native_block=False), GPTQConfig(unroll_blocks=False)],

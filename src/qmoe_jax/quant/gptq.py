@@ -34,11 +34,18 @@ block's lazy update is one matmul onto the later columns only, S[block, later]�
 about half the FLOPs of a ``fori_loop`` over blocks, whose fixed shapes make
 every update span all n columns (the entries for earlier columns are products
 with S's zeros below the diagonal, and the block's own columns are never read
-again). Every correction a later column reads is the same sum of the same
-products in the same order either way, and XLA's matmul rounds an output
-element alike whatever the output's width, so the codes are bit-identical (a
-test checks it, also vmapped; benchmarks/gptq_rate.py on switch-base shapes);
-the unrolled program compiles slower (one copy of the inner loops per block).
+again). With ``GPTQConfig.super_blocks = 1``
+every correction a later column reads is the same sum of the same products
+in the same order either way, and XLA's matmul rounds an output element alike
+whatever the output's width, so the codes are bit-identical (a test checks
+it, also vmapped); the unrolled program compiles slower (one copy of the
+inner loops per block). By default the unrolled sweep adds one more level
+above the blocks: every 4 blocks form a super-block, a block's update reaches
+only the rest of its super-block, and one update per super-block (a matmul
+over 512 rows instead of 128) carries its residuals to all later columns, so
+the later columns' corrections are read and written a quarter as often. That
+groups the sums differently: codes differ by float rounding only (99.999% of
+them equal on switch-base shapes, benchmarks/gptq_rate.py).
 
 On CPU, the levels inside each outer block run in a native kernel instead
 (``GPTQConfig.native_block``, the FFI target ``qmoe_gptq_block``,
@@ -88,6 +95,12 @@ class GPTQConfig:
       native_cholesky: on CPU, the diagonal blocks of H's Cholesky run in the native kernel
         (xla_ffi/cpu_cholesky.h); False, and on other platforms: linalg.py's jnp loop. The two differ
         only by the order of float sums.
+      super_blocks: with ``unroll_blocks``, a lazy-update level above the blocks: every ``super_blocks``
+        consecutive blocks form a super-block; each block's update reaches only the later columns of its
+        super-block, and one update per super-block carries its errors to all later columns (a matmul
+        over super_blocks × block_size rows instead of block_size, and that many times fewer passes over
+        the later columns' corrections). For speed only: codes differ from super_blocks = 1 (no extra
+        level) by float rounding.
     """
 
     block_size: int = 128
@@ -97,6 +110,7 @@ class GPTQConfig:
     unroll_blocks: bool = True
     native_block: bool = True
     native_cholesky: bool = True
+    super_blocks: int = 4
 
     def __post_init__(self):
         if not (isinstance(self.block_size, int) and self.block_size > 0):
@@ -105,6 +119,9 @@ class GPTQConfig:
                 and self.block_size % self.sub_block_size == 0):
             raise ValueError(f"GPTQConfig.sub_block_size must divide block_size={self.block_size}, "
                              f"got {self.sub_block_size!r}")
+        if not (isinstance(self.super_blocks, int) and self.super_blocks > 0):
+            raise ValueError(f"GPTQConfig.super_blocks must be a positive int (blocks per super-block), "
+                             f"got {self.super_blocks!r}")
         if not self.damping > 0:
             raise ValueError(f"GPTQConfig.damping must be > 0 (relative to mean diag(H)), got {self.damping!r}")
 
@@ -207,31 +224,39 @@ def _sweep(weights_t, corrections_t, scaled, factor_diag, params, grid: GridConf
     return residuals_t, codes_t, squared_errors
 
 
-def _push_forward(corrections_t, scaled, block_residuals, start: int, stop: int):
-    """The unrolled sweep's lazy update after block start:stop: S[block, later]ᵀ·D_block added to the corrections
-    of the later columns only."""
-    update = jnp.matmul(scaled[start:stop, stop:].T, block_residuals, precision=_HIGHEST)
-    return corrections_t.at[stop:].add(update)
+def _push_forward(corrections_t, scaled, residuals, start: int, stop: int, later: int, end: int):
+    """A lazy update from columns start:stop onto columns later:end: S[start:stop, later:end]ᵀ·D[start:stop] added to
+    their corrections."""
+    update = jnp.matmul(scaled[start:stop, later:end].T, residuals, precision=_HIGHEST)
+    return corrections_t.at[later:end].add(update)
 
 
 def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...],
-                    native: bool = False):
-    """``_sweep`` from zero corrections with its outer block loop unrolled: block b's lazy update is
-    S[b, later]ᵀ·D_b onto the later columns only (static shapes per block), the inner levels ``_block_levels``'."""
+                    super_blocks: int, native: bool = False):
+    """``_sweep`` from zero corrections with its outer block loop unrolled (static shapes per block) and one more
+    level above it: every ``super_blocks`` blocks form a super-block. Block b's lazy update S[b, later]ᵀ·D_b reaches
+    the later columns of its super-block only; after a super-block, S[super, later]ᵀ·D_super carries its residuals
+    to all later columns in one matmul. The inner levels are ``_block_levels``'."""
     size, inner_sizes = block_sizes[0], block_sizes[1:] or (1,)  # block_size 1: each block is one column
     cols = weights_t.shape[0]
+    span = size * super_blocks
     corrections_t = jnp.zeros_like(weights_t)
     residuals, codes, squared_errors = [], [], jnp.zeros_like(weights_t[0])
-    for start in range(0, cols, size):
-        stop = start + size
-        block_residuals, block_codes, block_squared_errors = _block_levels(
-            weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop], factor_diag[start:stop],
-            params, grid, inner_sizes, native)
-        if stop < cols:
-            corrections_t = _push_forward(corrections_t, scaled, block_residuals, start, stop)
-        residuals.append(block_residuals)
-        codes.append(block_codes)
-        squared_errors = squared_errors + block_squared_errors
+    for first in range(0, cols, span):
+        last = min(first + span, cols)
+        for start in range(first, last, size):
+            stop = start + size
+            block_residuals, block_codes, block_squared_errors = _block_levels(
+                weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop],
+                factor_diag[start:stop], params, grid, inner_sizes, native)
+            if stop < last:
+                corrections_t = _push_forward(corrections_t, scaled, block_residuals, start, stop, stop, last)
+            residuals.append(block_residuals)
+            codes.append(block_codes)
+            squared_errors = squared_errors + block_squared_errors
+        if last < cols:
+            super_residuals = jnp.concatenate(residuals[first // size:])
+            corrections_t = _push_forward(corrections_t, scaled, super_residuals, first, last, last, cols)
     return jnp.concatenate(residuals), jnp.concatenate(codes), squared_errors
 
 
@@ -266,7 +291,9 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
         order = jnp.argsort(-diag)
         hessian, damped, weights, dead = hessian[order][:, order], damped[order], weights[:, order], dead[order]
     factor = hessian_factor(hessian, config.native_cholesky, diagonal=damped)
-    ok = jnp.isfinite(factor).all() & ~dead.all()
+    # A non-finite entry anywhere in R reaches its row's pivot (R_ii² = H_ii − Σ_j>i R_ij²), and a failing
+    # pivot makes every column before it NaN (linalg.py): checking the diagonal is checking R, at 1/n the reads.
+    ok = jnp.isfinite(jnp.diagonal(factor)).all() & ~dead.all()
     weights = jnp.where(ok & dead[None, :], 0.0, weights)
 
     padding = -cols % config.block_size
@@ -281,7 +308,7 @@ def gptq(weights: jax.Array, hessian: jax.Array, grid: GridConfig, config: GPTQC
     weights_t = jnp.pad(weights.T, ((0, padding), (0, 0))) if padding else weights.T
     if config.unroll_blocks:
         _, codes_t, squared_errors = _sweep_unrolled(weights_t, scaled, factor_diag, params, grid, config.block_sizes,
-                                                     config.native_block)
+                                                     config.super_blocks, config.native_block)
     else:
         _, codes_t, squared_errors = _sweep(weights_t, jnp.zeros_like(weights_t), scaled, factor_diag, params, grid,
                                             config.block_sizes, config.native_block)
