@@ -49,6 +49,7 @@ def test_adaptive_p0_rounds_and_clamps():
             adaptive_p0(bad)
 
 
+@pytest.mark.slow
 def test_adaptive_dictionary_is_built_for_the_rounded_p0():
     codes = np.zeros((100, 10), np.uint8)
     codes[:, :1] = 1  # p0 = 0.9 exactly.
@@ -58,6 +59,7 @@ def test_adaptive_dictionary_is_built_for_the_rounded_p0():
     assert dictionary_for("adaptive", codes) is by_codes
 
 
+@pytest.mark.slow
 def test_static_mode_is_the_papers_dictionary():
     assert dictionary_for("static", None) is build_dictionary(0.885)
     with pytest.raises(ValueError, match="'static', 'adaptive' or 'tuned'"):

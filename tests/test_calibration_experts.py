@@ -99,7 +99,7 @@ def _uneven_group(cols: int, counts, size: int, seed: int):
     return tokens, mask
 
 
-@pytest.mark.parametrize("cols", [768, 3072])
+@pytest.mark.parametrize("cols", [768, pytest.param(3072, marks=pytest.mark.slow)])
 def test_hessians_on_each_experts_own_width_match_the_padded_group(cols):
     """The calibration pass computes each expert's Hessian on its own ``token_width``, not the group's padded
     length: the same sums up to float rounding (the matmul splits a different number of rows)."""

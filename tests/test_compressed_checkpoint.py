@@ -34,6 +34,7 @@ def assert_tree_equal(a, b):
             np.testing.assert_array_equal(np.asarray(a[key]), np.asarray(b[key]))
 
 
+@pytest.mark.slow
 def test_round_trip(tmp_path):
     writer = CompressedCheckpointWriter(str(tmp_path), HEADER)
     dense = {"encoder": {"layers_0": {"attention": {"query": {"kernel": np.ones((4, 4), ml_dtypes.bfloat16)}}}}}

@@ -43,6 +43,7 @@ def assert_same_arrays(a, b):
                                               err_msg=f"{layer}/{kernel}/{key}")
 
 
+@pytest.mark.slow
 def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
     report = compress_checkpoint(options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False,
                                  config=TINY)
@@ -84,6 +85,7 @@ def test_report_output_error_shows_gptq_fitting_its_hessian_positions(tiny_setup
     assert " / -" in summary_table(gptq)
 
 
+@pytest.mark.slow
 def test_rtn_and_kbit(tiny_setup, tmp_path):
     rtn = compress_checkpoint(options(tiny_setup, tmp_path / "rtn", method="rtn"), log=lambda _: None,
                               progress=False, config=TINY)
@@ -151,6 +153,7 @@ def test_four_devices_give_the_same_codes(tiny_setup, tmp_path):
     assert_same_arrays(all_arrays(one["output_dir"]), all_arrays(four["output_dir"]))
 
 
+@pytest.mark.slow
 def test_fused_kernels_run_the_compressed_model(tiny_setup, tmp_path):
     compress_checkpoint(options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False, config=TINY)
     dense = load_compressed_model(str(tmp_path / "out"))
@@ -163,6 +166,7 @@ def test_fused_kernels_run_the_compressed_model(tiny_setup, tmp_path):
     np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_true_sequential_and_act_order_change_only_what_they_should(tiny_setup, tmp_path):
     quiet = dict(log=lambda _: None, progress=False, config=TINY)
     compress_checkpoint(options(tiny_setup, tmp_path / "plain"), **quiet)
@@ -196,6 +200,7 @@ def test_premask_changes_only_the_decoder_hessians(tiny_setup, tmp_path):
         options(tiny_setup, tmp_path / "bad", premask="all")
 
 
+@pytest.mark.slow
 def test_config_is_inferred_from_checkpoint_shapes(tiny_setup):
     assert infer_config(open_t5x_checkpoint(bundled.checkpoint_path())).name == "switch-mini-8"
     with pytest.raises(ValueError, match="0 known configs match its shapes.*pass --config"):

@@ -18,6 +18,7 @@ def sequence_log_probs(model, params, encoder_tokens, generated):
     return jnp.take_along_axis(log_probs, generated[..., None], axis=-1)[..., 0].sum(-1)
 
 
+@pytest.mark.slow
 def test_greedy_is_argmax_and_stops_at_eos():
     model, params, encoder_tokens, _ = init(TINY)
     decoded = generate(model, params, encoder_tokens, GREEDY)
@@ -36,7 +37,7 @@ def test_greedy_is_argmax_and_stops_at_eos():
     assert (stopped[0, first_eos + 1:] == 0).all()
 
 
-@pytest.mark.parametrize("eos_id", [-1, 5])
+@pytest.mark.parametrize("eos_id", [-1, pytest.param(5, marks=pytest.mark.slow)])
 def test_beam_search_of_one_beam_is_greedy(eos_id):
     model, params, encoder_tokens, _ = init(TINY)
     greedy = generate(model, params, encoder_tokens, dataclasses.replace(GREEDY, eos_id=eos_id))
@@ -45,6 +46,7 @@ def test_beam_search_of_one_beam_is_greedy(eos_id):
     np.testing.assert_array_equal(beam.tokens, greedy.tokens)
 
 
+@pytest.mark.slow
 def test_beam_search_as_wide_as_the_vocabulary_finds_the_best_pair():
     """With k = V beams and two tokens, every first token survives, so the result is the exact
     argmax of log p over all V² sequences (alpha = 0: plain log-probability)."""
@@ -63,6 +65,7 @@ def test_beam_search_as_wide_as_the_vocabulary_finds_the_best_pair():
         np.testing.assert_allclose(beam.scores[row], scores[best], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sampling_is_reproducible_with_a_seed_and_varies_without():
     model, params, encoder_tokens, _ = init(TINY)
     config = DecodingConfig(method="sample", max_decode_length=6, temperature=2.0, eos_id=-1)
@@ -75,6 +78,7 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without():
         generate(model, params, encoder_tokens, config)
 
 
+@pytest.mark.slow
 def test_sampling_with_top_k_1_is_greedy():
     model, params, encoder_tokens, _ = init(TINY)
     greedy = generate(model, params, encoder_tokens, GREEDY).tokens

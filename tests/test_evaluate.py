@@ -29,6 +29,7 @@ def test_padded_batches_fill_with_empty_examples():
     assert batches[1]["encoder_input_tokens"][1:].sum() == 0
 
 
+@pytest.mark.slow
 def test_mean_cross_entropy_is_length_weighted():
     params = random_params(TINY)
     model = SwitchTransformer(TINY)
@@ -45,6 +46,7 @@ def test_mean_cross_entropy_is_length_weighted():
     assert loss == pytest.approx(total / weight, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_mean_cross_entropies_score_each_tree_on_the_same_batches():
     model = SwitchTransformer(TINY)
     first, second = random_params(TINY, seed=0), random_params(TINY, seed=1)

@@ -88,6 +88,7 @@ def test_a_trainable_pattern_that_selects_nothing_trainable_is_refused(tiny, pat
         select_trainable(params, [pattern])
 
 
+@pytest.mark.slow
 def test_expert_lora_is_the_dense_product_with_adapters_folded_in(tiny):
     """Random adapters (B non-zero): the fused-kernel model with adapters gives the logits of the dequantized
     model with W + (B A)ᵀ in its kernels; with B = 0 the adapters change nothing."""
@@ -189,6 +190,7 @@ def test_t5x_input_gives_a_t5x_output_in_bfloat16_activations(tiny, tmp_path):
                  log=lambda _: None, progress=False)
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_is_refused_and_a_complete_run_is_not_redone(tiny, tmp_path):
     options = options_for(tiny, tmp_path / "run", steps=2)
     first = finetune(options, log=lambda _: None, progress=False)
@@ -240,6 +242,7 @@ def test_kill_9_then_the_same_command_resumes_and_ends_where_an_uninterrupted_ru
     assert killed == CompressedCheckpoint(str(tmp_path / "straight" / "model")).manifest["adapters"]["checksums"]
 
 
+@pytest.mark.slow
 def test_cli_errors_are_one_line(tiny, tmp_path):
     options = options_for(tiny, tmp_path / "run", expert_lora_rank=100)
     result = run_python(["-m", "qmoe_jax.finetune", *cli_args(options)], timeout=300, JAX_PLATFORMS="cpu")

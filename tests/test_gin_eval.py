@@ -65,6 +65,7 @@ def read_lines(path):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_span_corruption_writes_t5x_layout_and_dense_matches_compressed(setup, tmp_path):
     directory, _, text, _, tokenizer = setup
     out = tmp_path / "eval"
@@ -90,6 +91,7 @@ def test_span_corruption_writes_t5x_layout_and_dense_matches_compressed(setup, t
     np.testing.assert_allclose(scores, expected.log_likelihoods, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_seq2seq_task_scores_and_predicts(setup, tmp_path):
     directory, _, _, jsonl, tokenizer = setup
     out = tmp_path / "eval"
@@ -112,6 +114,7 @@ def test_seq2seq_task_scores_and_predicts(setup, tmp_path):
     assert [g.text for g in generated] == [e["prediction"] for e in examples]
 
 
+@pytest.mark.slow
 def test_mixture_from_a_user_gin_file_and_flag_precedence(setup, tmp_path):
     _, root, _, _, _ = setup
     (tmp_path / "mine.gin").write_text(

@@ -60,6 +60,7 @@ def assert_forms_agree(directory, examples, batch_sizes=(1, 8)):
 
 
 @pytest.mark.parametrize("isa", ops.cpu_isas())
+@pytest.mark.slow
 def test_compressed_and_dense_forms_agree_in_loss_and_greedy_tokens(compressed_tiny, isa, monkeypatch):
     monkeypatch.setenv("QMOE_CPU_ISA", isa)
     _, directory, _ = compressed_tiny
@@ -121,6 +122,7 @@ def test_prompts_take_sentinels_and_must_fit(tiny_tokenizer):
         encode_prompts(tiny_tokenizer, ["the model reads this prompt"], 4)
 
 
+@pytest.mark.slow
 def test_generate_texts_batches_like_one_call(compressed_tiny):
     _, directory, tokenizer = compressed_tiny
     opened = open_model(directory)
@@ -135,6 +137,7 @@ def test_generate_texts_batches_like_one_call(compressed_tiny):
     assert all(g.text == tokenizer.decode(g.tokens) for g in by_three)
 
 
+@pytest.mark.slow
 def test_generate_cli_writes_json_lines(compressed_tiny, tmp_path, capsys):
     _, directory, tokenizer = compressed_tiny
     inputs = tmp_path / "prompts.jsonl"
@@ -153,6 +156,7 @@ def test_generate_cli_writes_json_lines(compressed_tiny, tmp_path, capsys):
     assert capsys.readouterr().out == first
 
 
+@pytest.mark.slow
 def test_generate_cli_rejects_bad_input_briefly(compressed_tiny, tmp_path):
     _, directory, tokenizer = compressed_tiny
     bad = tmp_path / "bad.jsonl"
@@ -191,6 +195,7 @@ np.savez(sys.argv[3], logits=np.asarray(logits), tokens=np.asarray(tokens))
 """
 
 
+@pytest.mark.slow
 def test_expert_parallel_inference_on_four_devices_matches_one(compressed_tiny, tmp_path):
     """Compressed stacks sharded over 4 host devices (one expert each): the same logits and greedy tokens.
     In a child process (the device count is fixed when jax starts), with a watchdog against hangs."""

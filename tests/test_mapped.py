@@ -47,6 +47,7 @@ def layer_file(directory, name="decoder.layers_1.mlp"):
     return os.path.join(directory, "layers", f"{name}.experts")
 
 
+@pytest.mark.slow
 def test_mapped_model_generates_the_tokens_of_the_loaded_model(checkpoints):
     compressed, mapped = checkpoints
     loaded, lazy = open_model(compressed), open_model(mapped, experts="mapped")
@@ -133,6 +134,7 @@ def test_budget_releases_the_least_recently_routed_experts(checkpoints):
     assert residency.stats["released"] == TINY.num_experts - 1
 
 
+@pytest.mark.slow
 def test_generate_cli_takes_the_mapped_form(checkpoints, tiny_tokenizer, tmp_path, capsys):
     compressed, mapped = checkpoints
     common = ["--tokenizer", tiny_tokenizer.model_path, "--prompt", "every <extra_id_0> layer",

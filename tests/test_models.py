@@ -168,6 +168,7 @@ def test_parameter_counts(name, count):
     assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(param_shapes(get_config(name)))) == count
 
 
+@pytest.mark.slow
 def test_initializers_follow_t5x():
     config = dataclasses.replace(TINY, d_model=64, num_heads=4, d_kv=16, d_ff=96, init_scale=1.0,
                                  num_encoder_layers=1, num_decoder_layers=1)
@@ -311,6 +312,7 @@ def test_gathered_dense_experts_match_the_all_expert_layout(batch, length):
     assert (np.abs(np.asarray(einsum)).sum(-1) == 0).any() == (batch > 1)  # the larger call drops tokens
 
 
+@pytest.mark.slow
 def test_dispatch_fills_each_expert_from_its_first_row():
     config = moe_config()
     logits = jax.random.normal(jax.random.PRNGKey(0), (3, 10, config.num_experts)) * 5
@@ -350,6 +352,7 @@ def test_experts_layer_is_pluggable():
 
 # ---------------------------------------------------------------- model behaviour
 
+@pytest.mark.slow
 def test_padding_does_not_leak_into_valid_positions():
     model, params, encoder_tokens, targets = init(TINY)
     logits = run(model, params, encoder_tokens, shift_right(targets), targets)
@@ -361,6 +364,7 @@ def test_padding_does_not_leak_into_valid_positions():
     assert (padded[:, 7:] == 0).all()  # flaxformer's logit mask zeroes padded positions
 
 
+@pytest.mark.slow
 def test_dropout_is_seeded_and_off_at_eval():
     config = dataclasses.replace(TINY, dropout_rate=0.3)
     model, params, encoder_tokens, targets = init(config)
@@ -375,6 +379,7 @@ def test_dropout_is_seeded_and_off_at_eval():
     assert np.abs(a - c).max() > 1e-3 and np.abs(a - deterministic).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_gradients_reach_every_parameter():
     model, params, encoder_tokens, targets = init(TINY)
 
@@ -387,6 +392,7 @@ def test_gradients_reach_every_parameter():
         assert float(jnp.abs(grad).max()) > 0, path
 
 
+@pytest.mark.slow
 def test_bfloat16_run_close_to_float32():
     model, params, encoder_tokens, targets = init(TINY)
     inputs = (encoder_tokens, shift_right(targets), targets)
@@ -403,6 +409,7 @@ def test_bfloat16_run_close_to_float32():
 
 # ---------------------------------------------------------------- decoding
 
+@pytest.mark.slow
 def test_incremental_decoding_matches_teacher_forcing():
     model, params, encoder_tokens, targets = init(TINY)
     encoder_tokens = encoder_tokens.at[1, 5:].set(0)  # encoder padding is masked in both paths

@@ -94,6 +94,7 @@ SHARDED_GROUPS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_bundled_size_layer_on_two_and_four_devices_gives_the_one_device_codes(tmp_path):
     path = str(tmp_path / "sharded.npz")
     run_on_devices(4, ["-c", SHARDED_GROUPS_SCRIPT.format(devices=(2, 4), path=path)])

@@ -149,6 +149,7 @@ def test_each_instruction_set(dictionary, monkeypatch, isa, cols):
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
 
 
+@pytest.mark.slow
 def test_words_form_lists_each_entrys_nonzero_weights():
     """The compact form against the masks: positions, class, length and the table flags."""
     from qmoe_jax.codec import build_dictionary

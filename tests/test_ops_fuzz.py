@@ -9,6 +9,7 @@ import compressed_data
 import hypothesis.strategies as st
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from child_process import run_python
 from hypothesis import given, settings
 
@@ -25,6 +26,7 @@ from qmoe_jax.codec import build_dictionary
     p0=st.sampled_from([0.5, 0.885, 0.97]),
     seed=st.integers(0, 2**31),
 )
+@pytest.mark.slow
 def test_random_matrices_match_the_dense_product(rows, cols, tokens, count, p0, seed):
     dictionary = build_dictionary(0.885)
     rng = np.random.default_rng(seed)
@@ -48,6 +50,7 @@ FUZZ_PROGRAM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kernel_
 
 
 
+@pytest.mark.slow
 def test_garbage_operands_error_and_never_crash():
     run = run_python([FUZZ_PROGRAM], timeout=900, ISAS=json.dumps(ops.cpu_isas()))
     assert run.returncode == 0, f"fuzz run died ({run.returncode}): {run.stderr[-3000:]}"

@@ -4,6 +4,7 @@ is fixed when jax starts)."""
 import json
 import textwrap
 
+import pytest
 from child_process import run_python
 
 SCRIPT = textwrap.dedent(
@@ -47,6 +48,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_expert_parallel_on_four_devices():
     run = run_python(["-c", SCRIPT], timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=4")
     assert run.returncode == 0, run.stderr[-3000:]

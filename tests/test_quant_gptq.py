@@ -77,9 +77,11 @@ def test_block_sizes_change_only_float_rounding(config):
     np.testing.assert_allclose(float(result.loss), float(reference.loss), rtol=1e-3)
 
 
-@pytest.mark.parametrize("grid", [TERNARY, GridConfig("minmax", 2)], ids=["ternary", "minmax2"])
-@pytest.mark.parametrize("config", [GPTQConfig(block_size=64, super_blocks=1),
-                                    GPTQConfig(block_size=32, sub_block_size=32, super_blocks=1),
+@pytest.mark.parametrize("grid", [TERNARY, pytest.param(GridConfig("minmax", 2), marks=pytest.mark.slow)],
+                         ids=["ternary", "minmax2"])
+@pytest.mark.parametrize("config", [pytest.param(GPTQConfig(block_size=64, super_blocks=1), marks=pytest.mark.slow),
+                                    pytest.param(GPTQConfig(block_size=32, sub_block_size=32, super_blocks=1),
+                                                 marks=pytest.mark.slow),
                                     GPTQConfig(block_size=64, act_order=True, super_blocks=1)],
                          ids=["b64-s16", "b32-flat", "act-order"])
 def test_unrolled_blocks_give_the_fori_loops_codes_bit_for_bit(grid, config):
@@ -98,6 +100,7 @@ def test_unrolled_blocks_give_the_fori_loops_codes_bit_for_bit(grid, config):
     np.testing.assert_array_equal(np.asarray(batched.codes[1]), np.asarray(looped.codes))
 
 
+@pytest.mark.slow
 def test_super_blocks_change_only_float_rounding_and_stay_batch_invariant():
     # 200 columns in blocks of 32: 7 blocks (the last padded); 3 per super-block leaves a partial last one,
     # 8 makes one super-block, which is the same as none (every block's update reaches all later columns)
@@ -197,7 +200,8 @@ def test_bad_inputs_and_options_raise_clear_errors():
         GPTQConfig(super_blocks=0)
 
 
-@pytest.mark.parametrize("config", [GPTQConfig(), GPTQConfig(native_block=False), GPTQConfig(unroll_blocks=False)],
+@pytest.mark.parametrize("config", [GPTQConfig(), pytest.param(GPTQConfig(native_block=False), marks=pytest.mark.slow),
+                                    GPTQConfig(unroll_blocks=False)],
                          ids=["default", "jnp_levels", "fori_loop"])
 def test_gptq_runs_inside_shard_map_with_its_type_checks(config):
     """Under shard_map's default check_vma every loop carry must vary over the mesh axes its inputs vary over,

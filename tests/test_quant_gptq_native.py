@@ -87,8 +87,9 @@ def test_batches_are_independent_items():
             np.testing.assert_array_equal(np.asarray(part), np.asarray(whole[index]))
 
 
-@pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")
-@pytest.mark.parametrize("unroll", [True, False], ids=["unrolled", "fori_loop"])
+@pytest.mark.parametrize("grid", GRIDS[:1] + [pytest.param(grid, marks=pytest.mark.slow) for grid in GRIDS[1:]],
+                         ids=lambda g: f"{g.kind}{g.bits or ''}")
+@pytest.mark.parametrize("unroll", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["unrolled", "fori_loop"])
 def test_gptq_with_the_native_block_matches_the_jnp_sweep(grid, unroll):
     weights, inputs = correlated_problem(11, rows=48, cols=300, rank=40)
     hessian = inputs.T @ inputs

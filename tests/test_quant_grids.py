@@ -91,6 +91,7 @@ def test_minmax_codes_span_the_k_bit_range(grid):
 
 @settings(max_examples=30, deadline=None)
 @given(matrices)
+@pytest.mark.slow
 def test_quantize_lands_on_nearest_level_and_codes_decode_exactly(weights):
     for grid in GRIDS:
         _, dequantized, codes, decoded, levels = roundtrip(weights, grid)
@@ -102,6 +103,7 @@ def test_quantize_lands_on_nearest_level_and_codes_decode_exactly(weights):
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")
+@pytest.mark.slow
 def test_quantize_one_column_equals_the_matrix_column(grid):
     weights = np.random.default_rng(0).normal(size=(16, 5)).astype(np.float32)
     params = grid_params(weights, grid)

@@ -74,6 +74,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_over_four_devices_is_bit_identical_to_one_device(tmp_path):
     path = str(tmp_path / "sharded.npz")
     completed = run_python(["-c", SHARDED_SCRIPT.format(path=path)], timeout=600, JAX_PLATFORMS="cpu",

@@ -268,6 +268,7 @@ def test_bad_inputs_are_refused_before_any_work(bad, tiny_setup, config_file, tm
     assert not output.exists()
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_unless_debugging(tmp_path):
     argv = ["-m", "qmoe_jax.compress", "--checkpoint", str(tmp_path / "nowhere"), "--output_dir", str(tmp_path / "o")]
     short = run_python(argv, timeout=300)
@@ -287,7 +288,8 @@ def read_until(process, text: str, timeout: float) -> str:
     return output.decode()
 
 
-@pytest.mark.parametrize("signal_number, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+@pytest.mark.parametrize("signal_number, code", [(signal.SIGINT, 130),
+                                                 pytest.param(signal.SIGTERM, 143, marks=pytest.mark.slow)])
 def test_interrupts_say_how_to_resume(signal_number, code, tiny_setup, config_file, tmp_path):
     process = popen_python(["-m", "qmoe_jax.compress"] + cli_flags(tiny_setup, tmp_path / "out", config_file))
     try:

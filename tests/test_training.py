@@ -1,5 +1,6 @@
 import numpy as np
 import optax
+import pytest
 
 from qmoe_jax.models import SwitchTransformer
 from qmoe_jax.training import (TrainConfig, learning_rate_schedule, load_snapshot, make_optimizer, moe_aux_losses,
@@ -33,6 +34,7 @@ def test_schedule_warms_up_then_decays():
     assert float(schedule(100)) < float(schedule(50)) < float(schedule(10))
 
 
+@pytest.mark.slow
 def test_training_lowers_the_loss_and_resumes(tmp_path):
     config = TrainConfig(steps=6, warmup_steps=1, eval_every=3, snapshot_every=3, peak_learning_rate=3e-3)
     model = SwitchTransformer(TINY)
