@@ -34,18 +34,19 @@ block's lazy update is one matmul onto the later columns only, S[block, later]áµ
 about half the FLOPs of a ``fori_loop`` over blocks, whose fixed shapes make
 every update span all n columns (the entries for earlier columns are products
 with S's zeros below the diagonal, and the block's own columns are never read
-again). With ``GPTQConfig.super_blocks = 1``
-every correction a later column reads is the same sum of the same products
-in the same order either way, and XLA's matmul rounds an output element alike
-whatever the output's width, so the codes are bit-identical (a test checks
-it, also vmapped); the unrolled program compiles slower (one copy of the
-inner loops per block). By default the unrolled sweep adds one more level
-above the blocks: every 4 blocks form a super-block, a block's update reaches
-only the rest of its super-block, and one update per super-block (a matmul
-over 512 rows instead of 128) carries its residuals to all later columns, so
-the later columns' corrections are read and written a quarter as often. That
-groups the sums differently: codes differ by float rounding only (99.999% of
-them equal on switch-base shapes, benchmarks/gptq_rate.py).
+again). With ``GPTQConfig.super_blocks = 1``, every correction a later column
+reads is the same sum of the same products in the same order either way, and
+XLA's matmul rounds an output element alike whatever the output's width, so
+the codes are bit-identical (a test checks it, also vmapped); the unrolled
+program compiles slower (one copy of the inner loops per block).
+
+By default the unrolled sweep adds one more level above the blocks: every 4
+blocks form a super-block, a block's update reaches only the rest of its
+super-block, and one update per super-block (a matmul over 512 rows instead
+of 128) carries its residuals to all later columns, so the later columns'
+corrections are read and written a quarter as often. That groups the sums
+differently: codes differ by float rounding only (99.9994-100% of them equal
+on switch-base shapes, benchmarks/gptq_rate.py).
 
 On CPU, the levels inside each outer block run in a native kernel instead
 (``GPTQConfig.native_block``, the FFI target ``qmoe_gptq_block``,
