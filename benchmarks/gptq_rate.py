@@ -65,8 +65,9 @@ from qmoe_jax.quant.linalg import BASE_SIZE
 
 GOAL = 0.60
 gptq_module = importlib.import_module("qmoe_jax.quant.gptq")  # the module (qmoe_jax.quant.gptq is the function)
-VARIANTS = {"unrolled": GPTQConfig(), "no_super": GPTQConfig(super_blocks=1), "fori_loop": GPTQConfig(unroll_blocks=False),
-            "jnp_block": GPTQConfig(native_block=False), "jnp_cholesky": GPTQConfig(native_cholesky=False)}
+VARIANTS = {"unrolled": GPTQConfig(), "no_super": GPTQConfig(super_blocks=1),
+            "fori_loop": GPTQConfig(unroll_blocks=False), "jnp_block": GPTQConfig(native_block=False),
+            "jnp_cholesky": GPTQConfig(native_cholesky=False)}
 
 
 def parse_args():
@@ -127,17 +128,11 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
                 for s in range(0, cols, step)]
 
     def outer_updates(weights_t, scaled, factor_diag, params):  # the weights stand in for the residuals
-        # the unrolled sweep's updates: each block's onto the rest of its super-block, each super-block's onto
-        # all later columns
-        corrections, span = jnp.zeros_like(weights_t), outer * config.super_blocks
-        for first in range(0, cols, span):
-            last = min(first + span, cols)
-            for start in range(first, last - outer, outer):
-                corrections = gptq_module._push_forward(corrections, scaled, weights_t[start:start + outer], start,
-                                                        start + outer, start + outer, last)
-            if last < cols:
-                corrections = gptq_module._push_forward(corrections, scaled, weights_t[first:last], first, last,
-                                                        last, cols)
+        corrections = jnp.zeros_like(weights_t)
+        for _, _, updates in gptq_module.unrolled_updates(cols, outer, config.super_blocks):
+            for start, stop, later, end in updates:
+                corrections = gptq_module._push_forward(corrections, scaled, weights_t[start:stop], start, stop,
+                                                        later, end)
         return corrections
 
     def best(fn, **static):

@@ -232,32 +232,40 @@ def _push_forward(corrections_t, scaled, residuals, start: int, stop: int, later
     return corrections_t.at[later:end].add(update)
 
 
+def unrolled_updates(cols: int, size: int, super_blocks: int):
+    """The unrolled sweep's plan: per block of ``size`` columns, (start, stop, updates), where updates are the lazy
+    updates (start, stop, later, end) due once that block is quantized: its own onto the rest of its super-block, and
+    after a super-block's last block the super-block's onto all later columns."""
+    span = size * super_blocks
+    for first in range(0, cols, span):
+        last = min(first + span, cols)
+        for start in range(first, last, size):
+            stop = start + size
+            updates = [(start, stop, stop, last)] if stop < last else []
+            if stop == last < cols:
+                updates.append((first, last, last, cols))
+            yield start, stop, updates
+
+
 def _sweep_unrolled(weights_t, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...],
                     super_blocks: int, native: bool = False):
     """``_sweep`` from zero corrections with its outer block loop unrolled (static shapes per block) and one more
     level above it: every ``super_blocks`` blocks form a super-block. Block b's lazy update S[b, later]ᵀ·D_b reaches
     the later columns of its super-block only; after a super-block, S[super, later]ᵀ·D_super carries its residuals
-    to all later columns in one matmul. The inner levels are ``_block_levels``'."""
+    to all later columns in one matmul (``unrolled_updates``). The inner levels are ``_block_levels``'."""
     size, inner_sizes = block_sizes[0], block_sizes[1:] or (1,)  # block_size 1: each block is one column
-    cols = weights_t.shape[0]
-    span = size * super_blocks
     corrections_t = jnp.zeros_like(weights_t)
     residuals, codes, squared_errors = [], [], jnp.zeros_like(weights_t[0])
-    for first in range(0, cols, span):
-        last = min(first + span, cols)
-        for start in range(first, last, size):
-            stop = start + size
-            block_residuals, block_codes, block_squared_errors = _block_levels(
-                weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop],
-                factor_diag[start:stop], params, grid, inner_sizes, native)
-            if stop < last:
-                corrections_t = _push_forward(corrections_t, scaled, block_residuals, start, stop, stop, last)
-            residuals.append(block_residuals)
-            codes.append(block_codes)
-            squared_errors = squared_errors + block_squared_errors
-        if last < cols:
-            super_residuals = jnp.concatenate(residuals[first // size:])
-            corrections_t = _push_forward(corrections_t, scaled, super_residuals, first, last, last, cols)
+    for start, stop, updates in unrolled_updates(weights_t.shape[0], size, super_blocks):
+        block_residuals, block_codes, block_squared_errors = _block_levels(
+            weights_t[start:stop], corrections_t[start:stop], scaled[start:stop, start:stop], factor_diag[start:stop],
+            params, grid, inner_sizes, native)
+        residuals.append(block_residuals)
+        codes.append(block_codes)
+        squared_errors = squared_errors + block_squared_errors
+        for first, last, later, end in updates:
+            corrections_t = _push_forward(corrections_t, scaled, jnp.concatenate(residuals[first // size:last // size]),
+                                          first, last, later, end)
     return jnp.concatenate(residuals), jnp.concatenate(codes), squared_errors
 
 
