@@ -23,7 +23,8 @@ np, nested block sizes (128, 16, 1)): Cholesky cols^3/3, and the lazy updates of
 every block level, 2·rows·np·(np + 128 + 16) with a fori_loop over the outer blocks
 (full-width updates: the upper-triangular structure makes about half of the top
 level's products zeros), rows·np·(np − 128) + 2·rows·np·(128 + 16) with the default
-unrolled outer blocks (GPTQConfig.unroll_blocks: trailing columns only). The
+unrolled outer blocks (GPTQConfig.unroll_blocks: left-looking, each block's
+corrections from the columns before it only). The
 blockwise Cholesky executes somewhat more than cols^3/3 (11.3 against 9.8 GFLOP at
 cols = 3072; benchmarks/gptq_rate.py counts it exactly). The minimal count
 (cols^3/3 + rows·cols^2) is reported beside it.
@@ -103,7 +104,7 @@ def synthetic_layer(args):
 
 def executed_flops(rows: int, cols: int, config: GPTQConfig) -> float:
     """Cholesky cols^3/3 plus the lazy updates the sweep executes: every level full width, except the outer
-    one when unrolled (``config.unroll_blocks``: block b updates only the columns after it) and the inside of
+    one when unrolled (``config.unroll_blocks``: block b reads only the columns before it) and the inside of
     each outer block when the native CPU kernel runs it (``config.native_block``: each column updates only the
     block's later columns, rows·m·(m − 1) per block of m)."""
     block_sizes = config.block_sizes

@@ -4,15 +4,15 @@ Both matrices of one expert in y = W·x orientation (wi: W[3072, 768], H[768, 76
 wo: W[768, 3072], H[3072, 3072]), with Hessians from 1024 and 8192 synthetic
 correlated calibration tokens (gptq_grouping.py's layer with one expert). Each
 matrix is quantized the way the calibration pass does it (`quantize_expert_group`,
-one expert per call), in five variants taking turns in one run: "unrolled" (the
-default: outer block loop unrolled with super-blocks of 4 blocks, GPTQConfig.super_blocks,
-the columns inside each block in the native CPU kernel, GPTQConfig.native_block, and the
-Cholesky's diagonal blocks in theirs, GPTQConfig.native_cholesky), "no_super" (unrolled
-without super-blocks), "fori_loop" (a fori_loop over blocks, the same kernels; its codes
-must equal no_super's bit for bit), "jnp_block" (unrolled, the jnp levels inside each
-block) and "jnp_cholesky" (unrolled, the Cholesky's diagonal blocks in its jnp loop).
-no_super, jnp_block and jnp_cholesky differ from unrolled by float rounding only, and
-the fraction of codes equal to unrolled's is printed.
+one expert per call), in four variants taking turns in one run: "unrolled" (the
+default: outer block loop unrolled and left-looking, each block's corrections from all
+earlier blocks in one matmul; the columns inside each block in the native CPU kernel,
+GPTQConfig.native_block, and the Cholesky's diagonal blocks in theirs,
+GPTQConfig.native_cholesky), "fori_loop" (a fori_loop over blocks, right-looking, the
+same kernels), "jnp_block" (unrolled, the jnp levels inside each block) and
+"jnp_cholesky" (unrolled, the Cholesky's diagonal blocks in its jnp loop). The others
+differ from unrolled by float rounding only, and the fraction of codes equal to
+unrolled's is printed.
 
 Reported per token count, matrix and variant: seconds (best of --repeats), GFLOP/s and
 the fraction of the dense matmul rate (jnp.dot 2048x2048 f32, best of before and
@@ -24,7 +24,8 @@ after), on two FLOP counts:
     with the fori_loop variant.
 The time split: the Cholesky (`hessian_factor` alone, jitted the same way) and the
 column sweep (the rest); the sweep's parts are also timed alone at the first token count
-(outer lazy updates; inner levels, native and jnp: 16-column sub-blocks and single columns). The
+(outer corrections, the left-looking matmuls; inner levels, native and jnp: 16-column sub-blocks and
+single columns). The
 Cholesky (quant/linalg.py, blockwise left-looking) executes a little more than
 cols^3/3 (full matmuls on its diagonal blocks, their inverses for the solves); its
 executed count is printed beside it.
@@ -65,8 +66,7 @@ from qmoe_jax.quant.linalg import BASE_SIZE
 
 GOAL = 0.60
 gptq_module = importlib.import_module("qmoe_jax.quant.gptq")  # the module (qmoe_jax.quant.gptq is the function)
-VARIANTS = {"unrolled": GPTQConfig(), "no_super": GPTQConfig(super_blocks=1),
-            "fori_loop": GPTQConfig(unroll_blocks=False), "jnp_block": GPTQConfig(native_block=False),
+VARIANTS = {"unrolled": GPTQConfig(), "fori_loop": GPTQConfig(unroll_blocks=False), "jnp_block": GPTQConfig(native_block=False),
             "jnp_cholesky": GPTQConfig(native_cholesky=False)}
 
 
@@ -108,10 +108,9 @@ def hessian_seconds(tokens: int, cols: int, repeats: int, seed: int) -> float:
 
 def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQConfig) -> dict:
     """Seconds of the unrolled sweep's parts for one W[rows, cols], each jitted alone on a synthetic upper-triangular
-    factor (the work does not depend on the values): the outer lazy updates, the inner levels (sub-blocks and
-    columns) of every outer block, and the column level alone (every sub-block's per-column loop)."""
-    weights_t = weights.T
-    cols = weights_t.shape[0]
+    factor (the work does not depend on the values): the outer corrections (left-looking matmuls), the inner levels
+    (sub-blocks and columns) of every outer block, and the column level alone (every sub-block's per-column loop)."""
+    cols = weights.shape[1]
     if cols % config.block_size:
         return {}
     factor = jnp.asarray(np.triu(np.random.default_rng(0).standard_normal((cols, cols), np.float32)) * 0.01
@@ -121,28 +120,24 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
     params = grid_params(weights, grid)
     outer, inner = config.block_size, config.block_sizes[1:]
 
-    def inner_levels(weights_t, scaled, factor_diag, params, sizes, step, native):
-        return [gptq_module._block_levels(weights_t[s:s + step], jnp.zeros_like(weights_t[s:s + step]),
+    def inner_levels(weights, scaled, factor_diag, params, sizes, step, native):
+        return [gptq_module._block_levels(weights[:, s:s + step], jnp.zeros_like(weights[:, s:s + step]),
                                           scaled[s:s + step, s:s + step], factor_diag[s:s + step], params, grid,
                                           sizes, native)[1]
                 for s in range(0, cols, step)]
 
-    def outer_updates(weights_t, scaled, factor_diag, params):  # the weights stand in for the residuals
-        corrections = jnp.zeros_like(weights_t)
-        for _, _, updates in gptq_module.unrolled_updates(cols, outer, config.super_blocks):
-            for start, stop, later, end in updates:
-                corrections = gptq_module._push_forward(corrections, scaled, weights_t[start:stop], start, stop,
-                                                        later, end)
-        return corrections
+    def outer_corrections(weights, scaled, factor_diag, params):  # the weights stand in for the residuals
+        return [jnp.matmul(weights[:, :start], scaled[:start, start:start + outer], precision=jax.lax.Precision.HIGHEST)
+                for start in range(outer, cols, outer)]
 
     def best(fn, **static):
         # the arrays are arguments, not closed-over constants that XLA could fold at compile time
         jitted = jax.jit(functools.partial(fn, **static))
-        operands = (weights_t, scaled, factor_diag, params)
+        operands = (weights, scaled, factor_diag, params)
         jax.block_until_ready(jitted(*operands))
         return min(timed(lambda: jax.block_until_ready(jitted(*operands)))[0] for _ in range(repeats))
 
-    return dict(outer_updates_seconds=best(outer_updates),
+    return dict(outer_corrections_seconds=best(outer_corrections),
                 inner_levels_seconds=best(inner_levels, sizes=inner, step=outer, native=True),
                 inner_levels_jnp_seconds=best(inner_levels, sizes=inner, step=outer, native=False),
                 column_level_jnp_seconds=best(inner_levels, sizes=(1,), step=config.block_sizes[-2], native=False))
@@ -167,9 +162,6 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
         factor_s = {native: min(factor_seconds([(weights, hessians)], 1, VARIANTS["unrolled"].damping, native)[0]
                                 for _ in range(args.repeats))
                     for native in {config.native_cholesky for config in VARIANTS.values()}}
-        identical = all(np.array_equal(np.asarray(getattr(results["no_super"], field)),
-                                       np.asarray(getattr(results["fori_loop"], field)))
-                        for field in ("codes", "grid_params", "fallback"))
         hessian_s = hessian_seconds(tokens, cols, args.repeats, args.seed)
         split = sweep_split(weights[0], args.repeats, grid, VARIANTS["unrolled"]) if tokens == args.tokens[0] else {}
         for variant, config in VARIANTS.items():
@@ -183,7 +175,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                 gflop_useful=minimal_flops(out_rows, cols) / 1e9,
                 gflop_executed=executed_flops(out_rows, cols, config) / 1e9,
                 gflop_cholesky_executed=cholesky_executed_flops(cols, config.native_cholesky) / 1e9,
-                codes_identical_across_variants=identical, fallback=bool(results[variant].fallback[0]),
+                fallback=bool(results[variant].fallback[0]),
                 codes_equal_to_unrolled=float(np.mean(np.asarray(results[variant].codes)
                                                       == np.asarray(results["unrolled"].codes))),
                 hessian_seconds=hessian_s, hessian_gflop=2.0 * tokens * cols**2 / 1e9,
@@ -192,10 +184,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
 
 
 def codes_column(row: dict) -> str:
-    """fori_loop: whether its codes are identical to no_super's; the other variants: the fraction equal to
-    unrolled's."""
-    if row["variant"] == "fori_loop":
-        return "= no_super" if row["codes_identical_across_variants"] else "DIFFER"
+    """The fraction of the variant's codes equal to unrolled's."""
     return f"{row['codes_equal_to_unrolled']:.4%} equal"
 
 
@@ -215,7 +204,6 @@ def expert_totals(rows: list[dict], rate: float, rate_per_cpu: float) -> list[di
         for variant in VARIANTS:
             mine = [row for row in rows if row["tokens"] == tokens and row["variant"] == variant]
             total = dict(tokens=tokens, matrix="expert (wi+wo)", variant=variant,
-                         codes_identical_across_variants=all(row["codes_identical_across_variants"] for row in mine),
                          codes_equal_to_unrolled=float(np.mean([row["codes_equal_to_unrolled"] for row in mine])))
             for key in ("seconds", "cpu_seconds", "compile_seconds", "cholesky_seconds", "sweep_seconds",
                         "gflop_useful", "gflop_executed", "gflop_cholesky_executed", "hessian_seconds", "hessian_gflop"):
@@ -263,7 +251,7 @@ def main():
     for row in rows:
         if row["sweep_split"]:
             split = row["sweep_split"]
-            print(f"{row['matrix']} sweep, parts timed alone: outer updates {split['outer_updates_seconds']:.3f} s, "
+            print(f"{row['matrix']} sweep, parts timed alone: outer corrections {split['outer_corrections_seconds']:.3f} s, "
                   f"inner levels {split['inner_levels_seconds']:.3f} s in the native kernel, "
                   f"{split['inner_levels_jnp_seconds']:.3f} s as jnp levels (of which the per-column loops "
                   f"{split['column_level_jnp_seconds']:.3f} s)")

@@ -18,40 +18,39 @@ GRIDS = [GridConfig(), GridConfig("minmax", 2), GridConfig("minmax", 8)]
 
 
 def block_problem(seed: int, m: int, rows: int, grid: GridConfig, dyadic: bool = False):
-    """Operands of one block: Wᵀ, corrections, S (upper triangular, unit diagonal), R_kk and the row grids.
+    """Operands of one block: W[rows, m], corrections, S (upper triangular, unit diagonal), R_kk and the row grids.
 
     ``dyadic``: every value a small multiple of a power of two, so that every sum either side forms is exact
     and the two must agree bit for bit."""
     rng = np.random.default_rng(seed)
     if dyadic:
-        weights_t = rng.integers(-64, 65, size=(m, rows)) / 64.0
-        corrections_t = rng.integers(-16, 17, size=(m, rows)) / 64.0
+        weights = rng.integers(-64, 65, size=(rows, m)) / 64.0
+        corrections = rng.integers(-16, 17, size=(rows, m)) / 64.0
         scaled = rng.choice([0.0, 0.25, -0.25, 0.5, -0.5], size=(m, m))
         factor_diag = rng.choice([1.0, 2.0], size=m)
     else:
-        weights_t = rng.normal(size=(m, rows))
-        corrections_t = 0.1 * rng.normal(size=(m, rows))
+        weights = rng.normal(size=(rows, m))
+        corrections = 0.1 * rng.normal(size=(rows, m))
         scaled = rng.normal(size=(m, m)) / np.sqrt(m)
         factor_diag = rng.uniform(0.5, 2.0, size=m)
     scaled = np.triu(scaled, 1) + np.eye(m)
-    weights_t, corrections_t, scaled, factor_diag = (np.asarray(a, np.float32) for a in
-                                                     (weights_t, corrections_t, scaled, factor_diag))
-    params = grid_params(weights_t.T, grid)
+    weights, corrections, scaled, factor_diag = (np.asarray(a, np.float32) for a in
+                                                 (weights, corrections, scaled, factor_diag))
+    params = grid_params(weights, grid)
     if dyadic and grid.kind == "ternary":  # grid levels on multiples of 1/8
         params = jnp.asarray(np.round(np.asarray(params, np.float32) * 8) / 8, params.dtype)
     elif dyadic:  # scale 1/32, zero in the middle: levels on multiples of 1/32
         params = jnp.asarray(np.broadcast_to(np.float32([1 / 32, grid.levels // 2]), (rows, 2)))
-    return weights_t, corrections_t, scaled, factor_diag, params
+    return weights, corrections, scaled, factor_diag, params
 
 
-def jnp_levels(weights_t, corrections_t, scaled, factor_diag, params, grid):
-    return jax.jit(lambda *a: gptq_module._sweep(*a, params, grid, (1,)))(weights_t, corrections_t, scaled,
-                                                                          factor_diag)
+def jnp_levels(weights, corrections, scaled, factor_diag, params, grid):
+    return jax.jit(lambda *a: gptq_module._sweep(*a, params, grid, (1,)))(weights, corrections, scaled, factor_diag)
 
 
-def native(weights_t, corrections_t, scaled, factor_diag, params, grid):
-    return jax.jit(lambda *a: gptq_block_call(*a, levels=grid.levels))(weights_t, corrections_t, scaled,
-                                                                        factor_diag, params)
+def native(weights, corrections, scaled, factor_diag, params, grid):
+    return jax.jit(lambda *a: gptq_block_call(*a, levels=grid.levels))(weights, corrections, scaled, factor_diag,
+                                                                        params)
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")
@@ -122,10 +121,10 @@ def test_every_instruction_set_gives_the_same_bits(tmp_path):
 
 
 def test_bad_operands_raise_clear_errors():
-    weights_t, corrections_t, scaled, factor_diag, params = block_problem(2, 16, 8, GridConfig())
+    weights, corrections, scaled, factor_diag, params = block_problem(2, 16, 8, GridConfig())
     with pytest.raises(ValueError, match=r"scaled \[B\.\.\., m, m\]"):
-        gptq_block_call(weights_t, corrections_t, scaled[:8], factor_diag, params, levels=3)
+        gptq_block_call(weights, corrections, scaled[:8], factor_diag, params, levels=3)
     with pytest.raises(ValueError, match=r"params \[B\.\.\., rows, 2\]"):
-        gptq_block_call(weights_t, corrections_t, scaled, factor_diag, params[:4], levels=3)
+        gptq_block_call(weights, corrections, scaled, factor_diag, params[:4], levels=3)
     with pytest.raises(Exception, match="levels must be 3"):
-        jax.block_until_ready(gptq_block_call(weights_t, corrections_t, scaled, factor_diag, params, levels=1000))
+        jax.block_until_ready(gptq_block_call(weights, corrections, scaled, factor_diag, params, levels=1000))

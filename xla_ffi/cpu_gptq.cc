@@ -1,11 +1,13 @@
 // "qmoe_gptq_block" on the CPU: see cpu_gptq.h for the contract.
 //
-// Each task takes kRowsPerTask rows of one batch item. Their corrections for
-// the whole block live in a small column-major scratch (m x kRowsPerTask
-// floats, 16 KiB at m = 128), so that a column's update of the later
-// columns, c_j += D_k·S_kj, is a short loop over contiguous rows that the
-// compiler vectorizes for each instruction set (the same source, built three
-// times through target attributes; rows past the matrix's end carry D = 0).
+// Each task takes kRowsPerTask rows of one batch item. Their weights and
+// corrections for the whole block are copied into a small column-major
+// scratch (m x kRowsPerTask floats each, 16 KiB at m = 128), so that a
+// column's update of the later columns, c_j += D_k·S_kj, is a short loop over
+// contiguous rows that the compiler vectorizes for each instruction set (the
+// same source, built three times through target attributes; rows past the
+// matrix's end carry D = 0). Residuals and codes are gathered column-major the
+// same way and written back to the operands' row-major [rows, m] at the end.
 #include "cpu_gptq.h"
 
 #include <algorithm>
@@ -33,26 +35,37 @@ constexpr int64_t kRowsPerTask = 32;
 
 // One batch item's operands and results.
 struct Block {
-  const float* weights;      // [m, rows]
-  const float* corrections;  // [m, rows]
+  const float* weights;      // [rows, m]
+  const float* corrections;  // [rows, m]
   const float* scaled;       // [m, m]
   const float* factor_diag;  // [m]
   const float* params;       // [rows, 2]
-  float* residuals;          // [m, rows]
-  uint8_t* codes;            // [m, rows]
+  float* residuals;          // [rows, m]
+  uint8_t* codes;            // [rows, m]
   float* squared_errors;     // [rows]
   int64_t m;
   int64_t rows;
   int64_t levels;
 };
 
-// Copies `count` floats (at most kRowsPerTask); full tasks copy a constant size, which the compiler
-// inlines as a few vector moves instead of calling memcpy for each column.
-__attribute__((always_inline)) inline void CopyRows(float* to, const float* from, int64_t count) {
-  if (count == kRowsPerTask) {
-    std::memcpy(to, from, kRowsPerTask * sizeof(float));
-  } else {
-    std::memcpy(to, from, count * sizeof(float));
+// Rows [begin, begin + count) of a row-major [rows, m] operand into a column-major tile
+// (tile[k * kRowsPerTask + i] = operand[begin + i][k]), rows from `count` on zero.
+__attribute__((always_inline)) inline void LoadTile(const float* operand, int64_t m, int64_t begin, int64_t count,
+                                                    float* tile) {
+  for (int64_t i = 0; i < count; ++i) {
+    const float* row = operand + (begin + i) * m;
+    for (int64_t k = 0; k < m; ++k) tile[k * kRowsPerTask + i] = row[k];
+  }
+  for (int64_t k = 0; k < m; ++k) std::fill(tile + k * kRowsPerTask + count, tile + (k + 1) * kRowsPerTask, 0.0f);
+}
+
+// The inverse of LoadTile for the tile's first `count` rows.
+template <typename T>
+__attribute__((always_inline)) inline void StoreTile(const T* tile, int64_t m, int64_t begin, int64_t count,
+                                                     T* operand) {
+  for (int64_t i = 0; i < count; ++i) {
+    T* row = operand + (begin + i) * m;
+    for (int64_t k = 0; k < m; ++k) row[k] = tile[k * kRowsPerTask + i];
   }
 }
 
@@ -79,9 +92,11 @@ __attribute__((always_inline)) inline void RoundTargets(const float* target, con
 }
 
 // Rows [begin, begin + count) of `block` (count <= kRowsPerTask); `scratch` holds
-// m * kRowsPerTask floats. Every loop runs over all kRowsPerTask rows: rows past
-// `count` carry weights and corrections 0, so their residuals stay 0 and they
-// never change the others.
+// kScratchTiles * m * kRowsPerTask floats. Every loop runs over all kRowsPerTask rows:
+// rows past `count` carry weights and corrections 0, so their residuals stay 0 and
+// they never change the others.
+constexpr int64_t kScratchTiles = 4;  // corrections, weights, residuals, codes (as bytes, in a float tile)
+
 __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int64_t begin, int64_t count,
                                                         float* scratch) {
   const bool ternary = block.levels == kTernaryLevels;
@@ -89,22 +104,22 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
   // Ternary: first = min, second = max; minmax: first = scale, second = zero. Padding rows get a grid
   // that rounds their zero targets to code 0: ternary (0, 0), minmax scale 1, zero 0.
   float first[kRowsPerTask], second[kRowsPerTask], squared[kRowsPerTask], residual[kRowsPerTask];
-  float weights[kRowsPerTask], target[kRowsPerTask], dequantized[kRowsPerTask], code[kRowsPerTask];
+  float target[kRowsPerTask], dequantized[kRowsPerTask], code[kRowsPerTask];
   for (int64_t i = 0; i < kRowsPerTask; ++i) {
     const bool in = i < count;
     first[i] = in ? block.params[2 * (begin + i)] : (ternary ? 0.0f : 1.0f);
     second[i] = in ? block.params[2 * (begin + i) + 1] : 0.0f;
     squared[i] = 0.0f;
-    weights[i] = 0.0f;
   }
-  for (int64_t k = 0; k < block.m; ++k) {
-    float* corrections = scratch + k * kRowsPerTask;
-    CopyRows(corrections, block.corrections + k * block.rows + begin, count);
-    std::fill(corrections + count, corrections + kRowsPerTask, 0.0f);
-  }
+  const int64_t tile = block.m * kRowsPerTask;
+  float* weight_tile = scratch + tile;
+  float* residual_tile = scratch + 2 * tile;
+  uint8_t* code_tile = reinterpret_cast<uint8_t*>(scratch + 3 * tile);
+  LoadTile(block.corrections, block.m, begin, count, scratch);
+  LoadTile(block.weights, block.m, begin, count, weight_tile);
   // Column k: round its targets, record residuals and codes, accumulate squared errors.
   const auto quantize_column = [&](int64_t k, float* residual) __attribute__((always_inline)) {
-    CopyRows(weights, block.weights + k * block.rows + begin, count);
+    const float* weights = weight_tile + k * kRowsPerTask;
     const float* corrections = scratch + k * kRowsPerTask;
     const float diag = block.factor_diag[k];
     for (int64_t i = 0; i < kRowsPerTask; ++i) target[i] = weights[i] + corrections[i];
@@ -114,9 +129,9 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
       squared[i] = squared[i] + error * error;
       residual[i] = weights[i] - dequantized[i];
     }
-    CopyRows(block.residuals + k * block.rows + begin, residual, count);
-    uint8_t* codes = block.codes + k * block.rows + begin;
-    for (int64_t i = 0; i < count; ++i) codes[i] = static_cast<uint8_t>(code[i]);
+    std::memcpy(residual_tile + k * kRowsPerTask, residual, sizeof(float) * kRowsPerTask);
+    uint8_t* codes = code_tile + k * kRowsPerTask;
+    for (int64_t i = 0; i < kRowsPerTask; ++i) codes[i] = static_cast<uint8_t>(code[i]);
   };
   // Columns in pairs (k, k + 1): k's residual goes to column k + 1 first, which is then rounded, and both
   // residuals go to the later columns in one pass, each correction still rounded after each product and
@@ -139,6 +154,8 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
       }
     }
   }
+  StoreTile(residual_tile, block.m, begin, count, block.residuals);
+  StoreTile(code_tile, block.m, begin, count, block.codes);
   std::memcpy(block.squared_errors + begin, squared, count * sizeof(float));
 }
 
@@ -167,42 +184,42 @@ bool SameLeading(Dims dims, Dims reference, size_t trailing, size_t reference_tr
   return std::equal(dims.begin(), dims.end() - trailing, reference.begin());
 }
 
-ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights_t,
-                         ffi::Buffer<ffi::F32> corrections_t, ffi::Buffer<ffi::F32> scaled,
+ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights,
+                         ffi::Buffer<ffi::F32> corrections, ffi::Buffer<ffi::F32> scaled,
                          ffi::Buffer<ffi::F32> factor_diag, ffi::Buffer<ffi::F32> params, int64_t levels,
-                         ffi::Result<ffi::Buffer<ffi::F32>> residuals_t,
-                         ffi::Result<ffi::Buffer<ffi::U8>> codes_t,
+                         ffi::Result<ffi::Buffer<ffi::F32>> residuals,
+                         ffi::Result<ffi::Buffer<ffi::U8>> codes,
                          ffi::Result<ffi::Buffer<ffi::F32>> squared_errors) {
-  const Dims dims = weights_t.dimensions();
-  if (dims.size() < 2) return ShapeError("weights_t must be [B..., m, rows]", dims);
-  const int64_t m = dims[dims.size() - 2];
-  const int64_t rows = dims[dims.size() - 1];
+  const Dims dims = weights.dimensions();
+  if (dims.size() < 2) return ShapeError("weights must be [B..., rows, m]", dims);
+  const int64_t rows = dims[dims.size() - 2];
+  const int64_t m = dims[dims.size() - 1];
   const auto same = [&](Dims other) { return std::equal(other.begin(), other.end(), dims.begin(), dims.end()); };
-  if (!same(corrections_t.dimensions())) {
-    return ShapeError("corrections_t must have weights_t's shape " + ShapeString(dims),
-                      corrections_t.dimensions());
+  if (!same(corrections.dimensions())) {
+    return ShapeError("corrections must have weights's shape " + ShapeString(dims),
+                      corrections.dimensions());
   }
   const Dims scaled_dims = scaled.dimensions();
   if (!SameLeading(scaled_dims, dims, 2, 2) || scaled_dims[scaled_dims.size() - 2] != m ||
       scaled_dims[scaled_dims.size() - 1] != m) {
-    return ShapeError("scaled must be [B..., m, m] for weights_t " + ShapeString(dims), scaled_dims);
+    return ShapeError("scaled must be [B..., m, m] for weights " + ShapeString(dims), scaled_dims);
   }
   const Dims diag_dims = factor_diag.dimensions();
   if (!SameLeading(diag_dims, dims, 1, 2) || diag_dims[diag_dims.size() - 1] != m) {
-    return ShapeError("factor_diag must be [B..., m] for weights_t " + ShapeString(dims), diag_dims);
+    return ShapeError("factor_diag must be [B..., m] for weights " + ShapeString(dims), diag_dims);
   }
   const Dims params_dims = params.dimensions();
   if (!SameLeading(params_dims, dims, 2, 2) || params_dims[params_dims.size() - 2] != rows ||
       params_dims[params_dims.size() - 1] != 2) {
-    return ShapeError("params must be [B..., rows, 2] for weights_t " + ShapeString(dims), params_dims);
+    return ShapeError("params must be [B..., rows, 2] for weights " + ShapeString(dims), params_dims);
   }
-  if (!same(residuals_t->dimensions()) || !same(codes_t->dimensions())) {
-    return ShapeError("residuals_t and codes_t must have weights_t's shape " + ShapeString(dims),
-                      residuals_t->dimensions());
+  if (!same(residuals->dimensions()) || !same(codes->dimensions())) {
+    return ShapeError("residuals and codes must have weights's shape " + ShapeString(dims),
+                      residuals->dimensions());
   }
   const Dims errors_dims = squared_errors->dimensions();
   if (!SameLeading(errors_dims, dims, 1, 2) || errors_dims[errors_dims.size() - 1] != rows) {
-    return ShapeError("squared_errors must be [B..., rows] for weights_t " + ShapeString(dims), errors_dims);
+    return ShapeError("squared_errors must be [B..., rows] for weights " + ShapeString(dims), errors_dims);
   }
   if (levels != kTernaryLevels && (levels < 2 || levels > kMaxLevels)) {
     return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": levels must be 3 (ternary) or a minmax " +
@@ -224,19 +241,19 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights_t,
   ParallelFor(pool, batch * chunks, [&](int64_t task) {
     const int64_t b = task / chunks;
     const int64_t begin = (task % chunks) * kRowsPerTask;
-    const Block block{weights_t.typed_data() + b * m * rows,
-                      corrections_t.typed_data() + b * m * rows,
+    const Block block{weights.typed_data() + b * m * rows,
+                      corrections.typed_data() + b * m * rows,
                       scaled.typed_data() + b * m * m,
                       factor_diag.typed_data() + b * m,
                       params.typed_data() + b * rows * 2,
-                      residuals_t->typed_data() + b * m * rows,
-                      codes_t->typed_data() + b * m * rows,
+                      residuals->typed_data() + b * m * rows,
+                      codes->typed_data() + b * m * rows,
                       squared_errors->typed_data() + b * rows,
                       m,
                       rows,
                       levels};
     thread_local std::vector<float> scratch;
-    scratch.resize(static_cast<size_t>(m * kRowsPerTask));
+    scratch.resize(static_cast<size_t>(kScratchTiles * m * kRowsPerTask));
     quantize_rows(block, begin, std::min(kRowsPerTask, rows - begin), scratch.data());
   });
   return ffi::Error::Success();
@@ -248,12 +265,12 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights_t,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeGptqBlockCpu, qmoe::cpu::GptqBlockImpl,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weights_t [B..., m, rows]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // corrections_t [B..., m, rows]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weights [B..., rows, m]
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // corrections [B..., rows, m]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scaled [B..., m, m]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // factor_diag [B..., m]
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // params [B..., rows, 2]
                                   .Attr<int64_t>("levels")                  // 3 ternary, else minmax codes
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // residuals_t [B..., m, rows]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // codes_t [B..., m, rows]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // residuals [B..., rows, m]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // codes [B..., rows, m]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // squared_errors [B..., rows]

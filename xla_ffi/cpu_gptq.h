@@ -7,16 +7,16 @@
 // factor of H (H = R·Rᵀ); D = W − Q the residuals.
 //
 //   "qmoe_gptq_block"
-//       operands  weights_t      f32[B..., m, rows]  the block's columns of W, transposed
-//                 corrections_t  f32[B..., m, rows]  Σ_{j before the block} D_j·S_jk per column k
+//       operands  weights        f32[B..., rows, m]  the block's columns of W
+//                 corrections    f32[B..., rows, m]  Σ_{j before the block} D_j·S_jk per column k
 //                 scaled         f32[B..., m, m]     S on the block; only j < k is read
 //                 factor_diag    f32[B..., m]        R_kk
 //                 params         f32[B..., rows, 2]  each row's grid: ternary (min, max),
 //                                                    minmax (scale, zero)
 //       attribute levels (int64)  3: the ternary grid {min, 0, max}; else a minmax grid of
 //                                 `levels` codes (4 ... 256)
-//       results   residuals_t    f32[B..., m, rows]  D = w − q
-//                 codes_t        u8[B..., m, rows]   grid codes (ternary: 0 zero, 1 min, 2 max)
+//       results   residuals      f32[B..., rows, m]  D = w − q
+//                 codes          u8[B..., rows, m]   grid codes (ternary: 0 zero, 1 min, 2 max)
 //                 squared_errors f32[B..., rows]     Σ_k ((w̃_k − q_k)·R_kk)² per row
 //
 // For each row, columns k = 0 … m−1 in order: the target w̃_k = w_k + c_k is

@@ -211,30 +211,31 @@ def _varying_like(results, reference):
     return jax.tree.map(lambda result: jax.lax.pvary(result, axes), results)  # jax before pcast
 
 
-def gptq_block_call(weights_t, corrections_t, scaled, factor_diag, params, levels: int):
+def gptq_block_call(weights, corrections, scaled, factor_diag, params, levels: int):
     """GPTQ's column recurrence inside one block of m columns, on the CPU (xla_ffi/cpu_gptq.h).
 
     Args (leading batch dims B... alike on all, as vmap gives them):
-      weights_t, corrections_t: float32[B..., m, rows]; scaled: float32[B..., m, m] (S, read above the
-      diagonal); factor_diag: float32[B..., m]; params: [B..., rows, 2] (converted to float32);
-      levels: 3 for the ternary grid, else the minmax grid's code count.
+      weights, corrections: float32[B..., rows, m] (the block's columns of W, y = W·x orientation);
+      scaled: float32[B..., m, m] (S, read above the diagonal); factor_diag: float32[B..., m];
+      params: [B..., rows, 2] (converted to float32); levels: 3 for the ternary grid, else the minmax
+      grid's code count.
 
     Returns:
-      (residuals float32[B..., m, rows], codes uint8[B..., m, rows], squared errors float32[B..., rows]).
+      (residuals float32[B..., rows, m], codes uint8[B..., rows, m], squared errors float32[B..., rows]).
     """
-    weights_t = jnp.asarray(weights_t, jnp.float32)
-    shape = weights_t.shape
-    if weights_t.ndim < 2 or jnp.shape(corrections_t) != shape or jnp.shape(scaled) != (*shape[:-1], shape[-2]) \
-            or jnp.shape(factor_diag) != shape[:-1] or jnp.shape(params) != (*shape[:-2], shape[-1], 2):
-        raise ValueError(f"gptq_block_call expects weights_t and corrections_t [B..., m, rows], scaled [B..., m, m], "
-                         f"factor_diag [B..., m] and params [B..., rows, 2]; got {shape}, {jnp.shape(corrections_t)}, "
+    weights = jnp.asarray(weights, jnp.float32)
+    shape = weights.shape
+    if weights.ndim < 2 or jnp.shape(corrections) != shape or jnp.shape(scaled) != (*shape[:-2], shape[-1], shape[-1]) \
+            or jnp.shape(factor_diag) != (*shape[:-2], shape[-1]) or jnp.shape(params) != (*shape[:-1], 2):
+        raise ValueError(f"gptq_block_call expects weights and corrections [B..., rows, m], scaled [B..., m, m], "
+                         f"factor_diag [B..., m] and params [B..., rows, 2]; got {shape}, {jnp.shape(corrections)}, "
                          f"{jnp.shape(scaled)}, {jnp.shape(factor_diag)}, {jnp.shape(params)}")
     result = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.uint8),
-              jax.ShapeDtypeStruct((*shape[:-2], shape[-1]), jnp.float32))
+              jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
     results = jax.ffi.ffi_call(GPTQ_BLOCK, result, vmap_method="broadcast_all")(
-        weights_t, jnp.asarray(corrections_t, jnp.float32), jnp.asarray(scaled, jnp.float32),
+        weights, jnp.asarray(corrections, jnp.float32), jnp.asarray(scaled, jnp.float32),
         jnp.asarray(factor_diag, jnp.float32), jnp.asarray(params, jnp.float32), levels=np.int64(levels))
-    return _varying_like(results, weights_t)
+    return _varying_like(results, weights)
 
 
 def cholesky_base_call(matrix):
