@@ -7,11 +7,15 @@ experts per call, one call after the other (each call waits for its result, as t
 calibration pass does). The paper's figures (base-128, A6000 GPU): 174.1 s at |E| = 1,
 28.8 s at |E| = 16, 6.0x.
 
-Reported per group size: layer time (best of --repeats, the group sizes taking
+Each group size runs in two modes (--modes): "sequential", the group's experts one
+after another inside the call (lax.map, quantize_expert_group's default on CPU), and
+"vmapped", one batched program (the default on accelerators); both give the same bits.
+Reported per mode and group size: layer time (best of --repeats, the cases taking
 turns so that they see the same load; wall seconds and the process's CPU seconds),
-speedups vs |E| = 1, compile time (first call minus a warm call, for wi and wo;
-never part of the layer time), the time in the Cholesky factorizations alone
-(`hessian_factor`, batched the same way; the rest is the column sweep), and the
+speedups vs the first group size of the same mode, compile time (first call minus a
+warm call, for wi and wo; never part of the layer time), the time in the Cholesky
+factorizations alone (`hessian_factor`, grouped the same way; the rest is the column
+sweep), and the
 achieved FLOP rate as a fraction of this machine's dense float32 matmul rate
 measured in the same run (jnp.dot, 2048x2048, best of before and after), per wall
 second and per CPU second. The machine is shared with other work: wall times swing
@@ -35,7 +39,7 @@ environment sets it: its own thread pool, next to XLA's, collapsed when the core
 oversubscribed (measured here at load ~12, when the Cholesky still went through LAPACK:
 four 1024x1024 factorizations 5.4 s with the default threads, 0.05 s with one).
 
-    python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072]
+    python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072] [--modes sequential,vmapped]
 """
 
 from __future__ import annotations
@@ -72,6 +76,9 @@ def parse_args():
     parser.add_argument("--tokens", type=int, default=1024, help="calibration tokens per expert (synthetic)")
     parser.add_argument("--group_sizes", default="1,4,16")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", default="sequential,vmapped",
+                        help="how a group's experts run in a call: one after another (lax.map, the CPU default) "
+                             "and/or vmapped (quantize_expert_group's sequential argument)")
     parser.add_argument("--quick", action="store_true", help="d_model 256, d_ff 1024, 8 experts, 256 tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/gptq_grouping.json")
@@ -79,6 +86,9 @@ def parse_args():
     if args.quick:
         args.experts, args.d_model, args.d_ff, args.tokens, args.group_sizes = 8, 256, 1024, 256, "1,4,8"
     args.group_sizes = [int(size) for size in args.group_sizes.split(",")]
+    args.modes = args.modes.split(",")
+    if not args.modes or set(args.modes) - {"sequential", "vmapped"}:
+        parser.error(f"--modes takes sequential and/or vmapped, comma-separated; got {','.join(args.modes)!r}")
     bad = [size for size in args.group_sizes if args.experts % size]
     if bad:
         parser.error(f"group sizes {bad} do not divide --experts {args.experts}")
@@ -138,36 +148,40 @@ def timed(fn):
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
-def run_layer(matrices, tokens, group_size, grid, config):
+def run_layer(matrices, tokens, group_size, grid, config, sequential: bool):
     """Quantize every matrix of the layer in groups of group_size experts; returns (wall s, CPU s, fallbacks)."""
     def layer():
         fallbacks = 0
         for weights, hessians in matrices:
             for start in range(0, weights.shape[0], group_size):
                 group = slice(start, start + group_size)
-                result = quantize_expert_group(weights[group], hessians[group], tokens[group], grid, config)
+                result = quantize_expert_group(weights[group], hessians[group], tokens[group], grid, config,
+                                               sequential=sequential)
                 fallbacks += int(jax.block_until_ready(result).fallback.sum())
         return fallbacks
     wall, cpu, fallbacks = timed(layer)
     return wall, cpu, fallbacks
 
 
-def compile_seconds(matrices, tokens, group_size, grid, config) -> float:
+def compile_seconds(matrices, tokens, group_size, grid, config, sequential: bool) -> float:
     """First call (compile + run) minus a warm call, summed over wi and wo."""
     total = 0.0
     for weights, hessians in matrices:
         group = slice(0, group_size)
-        call = functools.partial(quantize_expert_group, weights[group], hessians[group], tokens[group], grid, config)
+        call = functools.partial(quantize_expert_group, weights[group], hessians[group], tokens[group], grid, config,
+                                 sequential=sequential)
         first, _, _ = timed(lambda: jax.block_until_ready(call()))  # noqa: B023 (called at once)
         warm, _, _ = timed(lambda: jax.block_until_ready(call()))  # noqa: B023
         total += max(first - warm, 0.0)
     return total
 
 
-def factor_seconds(matrices, group_size, damping, native: bool = True) -> tuple[float, float]:
-    """(wall, CPU) seconds of the batched Cholesky factorizations alone, for the whole layer (``native``: the
-    diagonal blocks in the CPU kernel, as GPTQConfig.native_cholesky)."""
-    factor = jax.jit(jax.vmap(functools.partial(hessian_factor, native=native)))
+def factor_seconds(matrices, group_size, damping, native: bool = True, sequential: bool = False) -> tuple[float, float]:
+    """(wall, CPU) seconds of the Cholesky factorizations alone, for the whole layer, a group per call as the solver
+    runs them (``sequential``: one after another, else vmapped; ``native``: the diagonal blocks in the CPU kernel, as
+    GPTQConfig.native_cholesky)."""
+    one = functools.partial(hessian_factor, native=native)
+    factor = jax.jit((lambda group: jax.lax.map(one, group)) if sequential else jax.vmap(one))
     wall = cpu = 0.0
     for _, hessians in matrices:
         diagonal_mean = jnp.mean(jnp.diagonal(hessians, axis1=1, axis2=2), axis=1)
@@ -192,26 +206,30 @@ def main():
     flops_min = args.experts * sum(minimal_flops(w.shape[1], w.shape[2]) for w, _ in matrices)
     rate, rate_per_cpu = matmul_rate()
 
-    compile_s = {size: compile_seconds(matrices, tokens, size, grid, config) for size in args.group_sizes}
-    layer_runs = {size: [] for size in args.group_sizes}
-    factor_runs = {size: [] for size in args.group_sizes}
+    cases = [(mode, size) for mode in args.modes for size in args.group_sizes]
+    compile_s = {case: compile_seconds(matrices, tokens, case[1], grid, config, case[0] == "sequential")
+                 for case in cases}
+    layer_runs = {case: [] for case in cases}
+    factor_runs = {case: [] for case in cases}
     for _ in range(args.repeats):
-        for size in args.group_sizes:
-            layer_runs[size].append(run_layer(matrices, tokens, size, grid, config))
-            factor_runs[size].append(factor_seconds(matrices, size, config.damping))
+        for mode, size in cases:
+            sequential = mode == "sequential"
+            layer_runs[mode, size].append(run_layer(matrices, tokens, size, grid, config, sequential))
+            factor_runs[mode, size].append(factor_seconds(matrices, size, config.damping, sequential=sequential))
     rate, rate_per_cpu = np.maximum((rate, rate_per_cpu), matmul_rate())
 
     rows = []
-    for size in args.group_sizes:
-        wall, cpu = min(run[0] for run in layer_runs[size]), min(run[1] for run in layer_runs[size])
-        rows.append(dict(group_size=size, seconds=wall, cpu_seconds=cpu, compile_seconds=compile_s[size],
-                         factor_seconds=min(run[0] for run in factor_runs[size]),
-                         factor_cpu_seconds=min(run[1] for run in factor_runs[size]),
+    for case in cases:
+        wall, cpu = min(run[0] for run in layer_runs[case]), min(run[1] for run in layer_runs[case])
+        rows.append(dict(mode=case[0], group_size=case[1], seconds=wall, cpu_seconds=cpu, compile_seconds=compile_s[case],
+                         factor_seconds=min(run[0] for run in factor_runs[case]),
+                         factor_cpu_seconds=min(run[1] for run in factor_runs[case]),
                          gflops_per_s=flops / wall / 1e9, fraction_of_matmul=flops / wall / rate,
-                         fraction_of_matmul_cpu=flops / cpu / rate_per_cpu, fallbacks=layer_runs[size][0][2]))
-    for row in rows:
-        row["speedup"] = rows[0]["seconds"] / row["seconds"]
-        row["speedup_cpu"] = rows[0]["cpu_seconds"] / row["cpu_seconds"]
+                         fraction_of_matmul_cpu=flops / cpu / rate_per_cpu, fallbacks=layer_runs[case][0][2]))
+    for row in rows:  # against |E| = the first group size, same mode
+        first = next(other for other in rows if other["mode"] == row["mode"])
+        row["speedup"] = first["seconds"] / row["seconds"]
+        row["speedup_cpu"] = first["cpu_seconds"] / row["cpu_seconds"]
 
     print(f"GPTQ one sparse layer: {args.experts} experts, d_model {args.d_model}, d_ff {args.d_ff}, "
           f"{args.tokens} tokens/expert, ternary, block sizes {config.block_sizes}")
@@ -219,16 +237,16 @@ def main():
           f"GPTQ FLOPs executed {flops / 1e9:.1f} G (minimal {flops_min / 1e9:.1f} G); jax {jax.__version__}, "
           f"{jax.device_count()} device(s), {os.cpu_count()} CPUs, OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}, "
           f"load average {load_before[0]:.1f} (shared machine); malloc huge pages {huge_pages}")
-    print(f"{'|E|':>4} {'layer s':>8} {'speedup':>8} {'cpu s':>7} {'speedup':>8} {'Cholesky s':>11} {'(cpu s)':>8} "
+    print(f"{'mode':>10} {'|E|':>4} {'layer s':>8} {'speedup':>8} {'cpu s':>7} {'speedup':>8} {'Cholesky s':>11} {'(cpu s)':>8} "
           f"{'GFLOP/s':>8} {'of matmul':>10} {'(per cpu s)':>12} {'compile s':>10}")
     for row in rows:
-        print(f"{row['group_size']:>4} {row['seconds']:>8.2f} {row['speedup']:>7.2f}x {row['cpu_seconds']:>7.2f} "
+        print(f"{row['mode']:>10} {row['group_size']:>4} {row['seconds']:>8.2f} {row['speedup']:>7.2f}x {row['cpu_seconds']:>7.2f} "
               f"{row['speedup_cpu']:>7.2f}x {row['factor_seconds']:>11.2f} {row['factor_cpu_seconds']:>8.2f} "
               f"{row['gflops_per_s']:>8.1f} {row['fraction_of_matmul']:>10.1%} {row['fraction_of_matmul_cpu']:>12.1%} "
               f"{row['compile_seconds']:>10.1f}")
     largest = rows[-1]
     sweep_share = 1 - largest["factor_cpu_seconds"] / largest["cpu_seconds"]
-    print(f"where the time goes at |E|={largest['group_size']}: Cholesky {1 - sweep_share:.0%} of the CPU seconds, "
+    print(f"where the time goes at |E|={largest['group_size']}, {largest['mode']}: Cholesky {1 - sweep_share:.0%} of the CPU seconds, "
           f"column sweep (lazy block updates and per-column loops) {sweep_share:.0%}")
     print(f"paper ({PAPER['model']}): |E|=1 {PAPER['seconds'][1]} s, |E|=16 {PAPER['seconds'][16]} s, "
           f"{PAPER['seconds'][1] / PAPER['seconds'][16]:.1f}x")

@@ -7,7 +7,8 @@ import pytest
 from child_process import run_python
 from quant_helpers import correlated_problem, gptq_jit
 
-from qmoe_jax.quant import GridConfig, quantize_expert_group, rtn
+from qmoe_jax.quant import GPTQConfig, GridConfig, gptq_experts, quantize_expert_group, rtn
+from qmoe_jax.quant.group import default_sequential
 
 TERNARY = GridConfig()
 
@@ -25,9 +26,10 @@ def expert_group(num_experts: int, seed: int = 0):
     return weights, hessians, tokens
 
 
-def test_group_equals_a_loop_over_experts_and_flags_fallbacks():
+@pytest.mark.parametrize("sequential", [True, False], ids=["sequential", "vmapped"])
+def test_group_equals_a_loop_over_experts_and_flags_fallbacks(sequential):
     weights, hessians, tokens = expert_group(6)
-    result = quantize_expert_group(weights, hessians, tokens, TERNARY)
+    result = quantize_expert_group(weights, hessians, tokens, TERNARY, sequential=sequential)
     np.testing.assert_array_equal(np.asarray(result.fallback), [False, True, True, True, False, False])
     assert result.codes.shape == (6, 32, 160) and result.codes.dtype == jnp.uint8
     assert result.grid_params.shape == (6, 32, 2) and result.grid_params.dtype == jnp.bfloat16
@@ -70,6 +72,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
             out[f"{{name}}_{{num_experts}}"] = np.asarray(value, np.float32 if name == "grid_params" else None)
     one_device = quantize_expert_group(*expert_group(6), GridConfig(), mesh=expert_mesh(jax.devices()[:1]))
     out["codes_6_mesh1"] = np.asarray(one_device.codes)
+    vmapped = quantize_expert_group(*expert_group(8), GridConfig(), sequential=False)
+    out["codes_8_vmapped"] = np.asarray(vmapped.codes)
     np.savez({path!r}, **out)
 """)
 
@@ -87,3 +91,20 @@ def test_sharded_over_four_devices_is_bit_identical_to_one_device(tmp_path):
             expected = np.asarray(value, np.float32 if name == "grid_params" else None)
             np.testing.assert_array_equal(sharded[f"{name}_{num_experts}"], expected, err_msg=name)
     np.testing.assert_array_equal(sharded["codes_6_mesh1"], sharded["codes_6"])
+    np.testing.assert_array_equal(sharded["codes_8_vmapped"], sharded["codes_8"])
+
+
+def test_cpus_run_a_groups_experts_one_after_another():
+    class Device:
+        def __init__(self, platform):
+            self.platform = platform
+
+    assert default_sequential(jax.local_devices()) == (jax.default_backend() == "cpu")
+    assert default_sequential([Device("cpu")] * 2) and not default_sequential([Device("gpu")])
+    # the sequential program loops over the experts; the vmapped one has no loop at the expert level
+    weights, hessians, tokens = expert_group(4)
+    lowered = {sequential: jax.jit(lambda w, h, t, sequential=sequential: gptq_experts(
+        w, h, t, TERNARY, GPTQConfig(block_size=32), sequential=sequential)).lower(weights, hessians, tokens).as_text()
+        for sequential in (True, False)}
+    assert "stablehlo.while" in lowered[True]
+    assert lowered[True].count("stablehlo.while") > lowered[False].count("stablehlo.while")
