@@ -204,7 +204,8 @@ def _sweep(weights, corrections, scaled, factor_diag, params, grid: GridConfig, 
         block_residuals, block_codes, block_squared_errors = _block_levels(
             columns_of(weights), columns_of(corrections), block_scaled,
             lax.dynamic_slice_in_dim(factor_diag, start, size), params, grid, inner_sizes, native)
-        later = lax.dynamic_slice_in_dim(scaled, start, size, axis=0)  # S[block, :]: zero up to the block's end
+        later = lax.dynamic_slice_in_dim(scaled, start, size, axis=0)  # S[block, :]: zero before the block, and
+        # the block's own columns are never read again
         corrections = corrections + jnp.matmul(block_residuals, later, precision=_HIGHEST)
         residuals = lax.dynamic_update_slice_in_dim(residuals, block_residuals, start, 1)
         codes = lax.dynamic_update_slice_in_dim(codes, block_codes, start, 1)

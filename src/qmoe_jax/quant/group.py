@@ -10,9 +10,8 @@ op on a whole group streams E times the data through memory (batched, XLA
 also copies the Cholesky's transposed operands first). Measured on 2 cores,
 a switch-base layer in one 16-expert call per matrix: 4.00 s against 4.86 s
 vmapped (benchmarks/gptq_grouping.py), and one expert's working copies at a
-time instead of 16. Both
-give the same bits: an expert's result does not depend on its batch
-(quant/linalg.py). Experts with no tokens, or whose Hessian is not positive
+time instead of 16. Both give the same bits: an expert's result does not
+depend on its batch (quant/linalg.py). Experts with no tokens, or whose Hessian is not positive
 definite after damping, are rounded to nearest (identity Hessian) and
 flagged in ``fallback`` for the caller to count.
 
@@ -136,7 +135,8 @@ def quantize_expert_group(weights, hessians, tokens_per_expert, grid: GridConfig
     if mesh is None and jax.local_device_count() == 1:
         if sequential is None:
             sequential = default_sequential(jax.local_devices())
-        return _gptq_experts_jit(weights, hessians, tokens_per_expert, grid=grid, config=config, sequential=sequential)
+        return _gptq_experts_jit(weights, hessians, tokens_per_expert, grid=grid, config=config,
+                                 sequential=bool(sequential))
     if mesh is None:
         mesh = expert_mesh()
     if sequential is None:
