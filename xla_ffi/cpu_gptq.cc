@@ -103,7 +103,7 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
   const float top = static_cast<float>(block.levels - 1);
   // Ternary: first = min, second = max; minmax: first = scale, second = zero. Padding rows get a grid
   // that rounds their zero targets to code 0: ternary (0, 0), minmax scale 1, zero 0.
-  float first[kRowsPerTask], second[kRowsPerTask], squared[kRowsPerTask], residual[kRowsPerTask];
+  float first[kRowsPerTask], second[kRowsPerTask], squared[kRowsPerTask];
   float target[kRowsPerTask], dequantized[kRowsPerTask], code[kRowsPerTask];
   for (int64_t i = 0; i < kRowsPerTask; ++i) {
     const bool in = i < count;
@@ -117,8 +117,10 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
   uint8_t* code_tile = reinterpret_cast<uint8_t*>(scratch + 3 * tile);
   LoadTile(block.corrections, block.m, begin, count, scratch);
   LoadTile(block.weights, block.m, begin, count, weight_tile);
-  // Column k: round its targets, record residuals and codes, accumulate squared errors.
-  const auto quantize_column = [&](int64_t k, float* residual) __attribute__((always_inline)) {
+  // Column k: round its targets, record residuals and codes in their tiles, accumulate squared errors;
+  // returns the column's residuals.
+  const auto quantize_column = [&](int64_t k) __attribute__((always_inline)) {
+    float* residual = residual_tile + k * kRowsPerTask;
     const float* weights = weight_tile + k * kRowsPerTask;
     const float* corrections = scratch + k * kRowsPerTask;
     const float diag = block.factor_diag[k];
@@ -129,22 +131,21 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
       squared[i] = squared[i] + error * error;
       residual[i] = weights[i] - dequantized[i];
     }
-    std::memcpy(residual_tile + k * kRowsPerTask, residual, sizeof(float) * kRowsPerTask);
     uint8_t* codes = code_tile + k * kRowsPerTask;
     for (int64_t i = 0; i < kRowsPerTask; ++i) codes[i] = static_cast<uint8_t>(code[i]);
+    return static_cast<const float*>(residual);
   };
   // Columns in pairs (k, k + 1): k's residual goes to column k + 1 first, which is then rounded, and both
   // residuals go to the later columns in one pass, each correction still rounded after each product and
   // each sum in the same order as one column at a time (so the bits are the same), with half the loads
   // and stores of the corrections.
-  float paired[kRowsPerTask];
   for (int64_t k = 0; k < block.m; k += 2) {
-    quantize_column(k, residual);
+    const float* residual = quantize_column(k);
     const float* row_k = block.scaled + k * block.m;
     if (k + 1 == block.m) break;
     float* next = scratch + (k + 1) * kRowsPerTask;
     for (int64_t i = 0; i < kRowsPerTask; ++i) next[i] = next[i] + residual[i] * row_k[k + 1];
-    quantize_column(k + 1, paired);
+    const float* paired = quantize_column(k + 1);
     const float* row_next = block.scaled + (k + 1) * block.m;
     for (int64_t j = k + 2; j < block.m; ++j) {
       const float factor = row_k[j], factor_next = row_next[j];
@@ -196,7 +197,7 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights,
   const int64_t m = dims[dims.size() - 1];
   const auto same = [&](Dims other) { return std::equal(other.begin(), other.end(), dims.begin(), dims.end()); };
   if (!same(corrections.dimensions())) {
-    return ShapeError("corrections must have weights's shape " + ShapeString(dims),
+    return ShapeError("corrections must have the shape of weights " + ShapeString(dims),
                       corrections.dimensions());
   }
   const Dims scaled_dims = scaled.dimensions();
