@@ -127,7 +127,7 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
                 for s in range(0, cols, step)]
 
     def outer_corrections(weights, scaled, factor_diag, params):  # the weights stand in for the residuals
-        return [jnp.matmul(weights[:, :start], scaled[:start, start:start + outer], precision=jax.lax.Precision.HIGHEST)
+        return [gptq_module.left_looking_corrections(weights, scaled, start, start + outer)
                 for start in range(outer, cols, outer)]
 
     def best(fn, **static):

@@ -65,6 +65,24 @@ def test_experts_per_call_fits_the_memory_and_splits_evenly():
     assert tall.experts_per_call(3072, 768, 16) == 4
 
 
+def test_a_sequential_call_counts_one_experts_working_copies_per_device():
+    from qmoe_jax.calibration.experts import (SEQUENTIAL_HESSIAN_COPIES, SEQUENTIAL_WEIGHT_COPIES,
+                                              ExpertCompressionConfig)
+    rows, cols = 768, 3072
+    working = 4 * cols * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
+    held = 4 * cols * (cols + rows) + rows * cols  # each expert's Hessian, weights and codes
+
+    settings = ExpertCompressionConfig(group_size=16, gptq_memory=working + 6 * held)
+    assert settings.experts_per_call(rows, cols, 16, sequential=True) == 6  # 6 fit: three calls
+    assert settings.experts_per_call(rows, cols, 12, sequential=True) == 6
+    assert settings.experts_per_call(rows, cols, 16, sequential=False) == 2  # vmapped: every expert's copies
+    # Two devices each run one expert at a time: two working sets, room for 2 experts' inputs.
+    assert settings.experts_per_call(rows, cols, 12, sequential=True, devices=2) == 2
+    assert ExpertCompressionConfig(gptq_memory=working - 1).experts_per_call(rows, cols, 16, sequential=True) == 1
+    roomy = ExpertCompressionConfig(group_size=16, gptq_memory=1 << 40)
+    assert roomy.experts_per_call(rows, cols, 16, sequential=True) == 16  # never past the group size
+
+
 @pytest.mark.parametrize(("last", "size", "width"), [
     (0, 16, 8),  # no kept token: the smallest width
     (5, 5, 5),  # never past the buffer

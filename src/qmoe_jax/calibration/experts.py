@@ -40,6 +40,7 @@ from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import input_kernel_names, kernel_names
 from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, hessian, quantize_expert_group
 from qmoe_jax.quant import cap_tokens, rtn, token_cap
+from qmoe_jax.quant.group import default_sequential, group_devices
 
 
 # Peak memory of one vmapped GPTQ call, per expert, in float32 arrays: about this
@@ -49,6 +50,12 @@ from qmoe_jax.quant import cap_tokens, rtn, token_cap
 # calls of 1-16 switch-base experts (768×3072 and 3072×768): 2.6 and 4.6 copies.
 HESSIAN_COPIES = 3
 WEIGHT_COPIES = 5
+# A sequential call (``quantize_expert_group(..., sequential=True)``, CPUs) holds every expert's
+# Hessian, weights and uint8 codes, and one expert's working copies per device at a time: about
+# 3.3 Hessian-sized and 2.7 weight-sized float32 arrays above the inputs (fitted on XLA:CPU to the
+# peak RSS of calls of 1-8 switch-base experts, 768×3072 and 3072×768), rounded up to 4 and 3.
+SEQUENTIAL_HESSIAN_COPIES = 4
+SEQUENTIAL_WEIGHT_COPIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +83,17 @@ class ExpertCompressionConfig:
     token_cap_factor: float = 4.0
     gptq_memory: int = 256 << 20
 
-    def experts_per_call(self, rows: int, cols: int, experts: int) -> int:
-        """Experts per vmapped GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory``,
-        and the calls as even as possible (fewer distinct shapes to compile)."""
-        per_expert = 4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows)
-        most = max(1, min(self.group_size, self.gptq_memory // per_expert))
+    def experts_per_call(self, rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1) -> int:
+        """Experts per GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory``, and the calls as even
+        as possible (fewer distinct shapes to compile). A vmapped call holds every expert's working copies;
+        a ``sequential`` one, each of its ``devices``, one expert's at a time."""
+        if sequential:
+            working = devices * 4 * cols * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
+            per_expert = 4 * cols * (cols + rows) + rows * cols  # Hessian, weights, codes
+            fit = (self.gptq_memory - working) // per_expert
+        else:
+            fit = self.gptq_memory // (4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows))
+        most = max(1, min(self.group_size, fit))
         calls = max(1, -(-experts // most))
         return max(1, -(-experts // calls))
 
@@ -232,7 +245,8 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         ``hessian_of(e)`` gives expert e's Hessian for the kernel."""
         experts = len(tokens.rows)
         rows = kernels[name].shape[2]  # T5X kernels are [g, in, out]: W has out rows
-        step = settings.experts_per_call(rows, cols, experts)
+        devices = group_devices(mesh)
+        step = settings.experts_per_call(rows, cols, experts, default_sequential(devices), len(devices))
         codes, params = [], []
         for start in range(0, experts, step):
             part = slice(start, start + step)

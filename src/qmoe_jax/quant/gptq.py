@@ -217,6 +217,12 @@ def _sweep(weights, corrections, scaled, factor_diag, params, grid: GridConfig, 
     return residuals, codes, squared_errors
 
 
+def left_looking_corrections(residuals, scaled, start: int, stop: int) -> jax.Array:
+    """Block start:stop's share of all earlier blocks in the left-looking sweep: D[:, :start]·S[:start, start:stop]
+    (rows × start times start × (stop − start)), one matmul."""
+    return jnp.matmul(residuals[:, :start], scaled[:start, start:stop], precision=_HIGHEST)
+
+
 def _sweep_unrolled(weights, scaled, factor_diag, params, grid: GridConfig, block_sizes: tuple[int, ...],
                     native: bool = False):
     """``_sweep`` from zero corrections with its outer block loop unrolled (static shapes per block) and
@@ -226,7 +232,7 @@ def _sweep_unrolled(weights, scaled, factor_diag, params, grid: GridConfig, bloc
     residuals, codes, squared_errors = jnp.zeros_like(weights), [], jnp.zeros_like(weights[:, 0])
     for start in range(0, weights.shape[1], size):
         stop = start + size
-        corrections = (jnp.matmul(residuals[:, :start], scaled[:start, start:stop], precision=_HIGHEST) if start
+        corrections = (left_looking_corrections(residuals, scaled, start, stop) if start
                        else jnp.zeros_like(weights[:, :size]))  # zeros_like: varying where W is, in shard_map
         block_residuals, block_codes, block_squared_errors = _block_levels(
             weights[:, start:stop], corrections, scaled[start:stop, start:stop], factor_diag[start:stop], params,

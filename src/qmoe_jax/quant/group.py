@@ -89,6 +89,11 @@ def default_sequential(devices) -> bool:
     return all(device.platform == "cpu" for device in devices)
 
 
+def group_devices(mesh: Mesh | None = None) -> list:
+    """The devices one ``quantize_expert_group(..., mesh=mesh)`` call runs on: the mesh's, or all local ones."""
+    return list(mesh.devices.flat) if mesh is not None else jax.local_devices()
+
+
 def expert_mesh(devices=None) -> Mesh:
     """A 1-D mesh with axis "expert" over ``devices`` (default: all local devices)."""
     devices = jax.local_devices() if devices is None else list(devices)
@@ -132,15 +137,13 @@ def quantize_expert_group(weights, hessians, tokens_per_expert, grid: GridConfig
         raise ValueError(f"quantize_expert_group expects weights [E, rows, cols], hessians [E, cols, cols], "
                          f"tokens_per_expert [E]; got {jnp.shape(weights)}, {jnp.shape(hessians)}, "
                          f"{jnp.shape(tokens_per_expert)}")
+    if sequential is None:
+        sequential = default_sequential(group_devices(mesh))
     if mesh is None and jax.local_device_count() == 1:
-        if sequential is None:
-            sequential = default_sequential(jax.local_devices())
         return _gptq_experts_jit(weights, hessians, tokens_per_expert, grid=grid, config=config,
                                  sequential=bool(sequential))
     if mesh is None:
         mesh = expert_mesh()
-    if sequential is None:
-        sequential = default_sequential(mesh.devices.flat)
     if mesh.axis_names != (EXPERT_AXIS,):
         raise ValueError(f"mesh must have the single axis {EXPERT_AXIS!r}, got {mesh.axis_names}; build it with expert_mesh()")
     padding = -num_experts % mesh.size
