@@ -393,3 +393,18 @@ def test_bad_counts_raise_clear_errors(dictionary):
     call = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((3, 4, 13), jnp.float32))
     with pytest.raises(Exception, match=r"counts must have shape \[B...\] .* B... = \[3\]"):
         call(masks, slots, words, stack.codes, stack.row_offsets, stack.minmax, x, np.ones(2, np.int32))
+
+
+def test_auto_runs_the_first_instruction_set(dictionary, monkeypatch):
+    """QMOE_CPU_ISA unset or "auto" takes ``cpu_isas()[0]``; the instruction sets add in different orders, so the
+    bits tell which ran (where only one differs from the first, that one is the check)."""
+    w, _ = _matrix(19, 300, seed=3)
+    x = _tokens((2, 300), jnp.float32)
+    results = {}
+    for isa in ["", "auto", *ops.cpu_isas()]:
+        monkeypatch.setenv("QMOE_CPU_ISA", isa)
+        results[isa] = np.asarray(ops.matmul(w, x, dictionary))
+    first = results[ops.cpu_isas()[0]]
+    np.testing.assert_array_equal(results[""], first)
+    np.testing.assert_array_equal(results["auto"], first)
+    assert any(not np.array_equal(results[isa], first) for isa in ops.cpu_isas()[1:])

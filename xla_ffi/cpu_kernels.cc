@@ -299,9 +299,7 @@ void RegisterCpuKernels(pybind11::module_& module) {
       "cpu_isas",
       [] {
         py::list isas;
-        if (CpuHasAvx512()) isas.append("avx512");
-        if (CpuHasAvx2()) isas.append("avx2");
-        isas.append("portable");
+        for (const char* isa : CpuIsas()) isas.append(isa);
         return isas;
       },
       "Instruction sets the CPU kernels can run here, fastest first.");

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "qmoe_format.h"
 
@@ -95,6 +96,8 @@ const RowKernels& Avx512RowKernels();  // call only where CpuHasAvx512()
 
 bool CpuHasAvx2();
 bool CpuHasAvx512();
+// Instruction sets the row kernels can run here, fastest first; "auto" (QMOE_CPU_ISA unset) takes the first.
+std::vector<const char*> CpuIsas();
 
 // A codeword's length in weights (0..31) from its slots (AVX-512); the
 // words (AVX2, portable) give the same length for the forms qmoe_jax.ops

@@ -70,7 +70,8 @@ def has_cuda_kernels() -> bool:
 
 
 def cpu_isas() -> list[str]:
-    """Instruction sets the CPU kernels can run on this machine, fastest first."""
+    """Instruction sets the CPU kernels can run on this machine, fastest first; the kernels use the first
+    unless QMOE_CPU_ISA names another. On AMD CPUs AVX2 comes before AVX-512 (measured faster on a Zen 4)."""
     return list(_qmoe_ext.cpu_isas())
 
 
