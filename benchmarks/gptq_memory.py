@@ -1,7 +1,7 @@
 """Peak memory of one GPTQ call over a group of experts, measured, against the estimate that sizes the calls.
 
 The calibration pass splits a group into calls of at most ``--gptq_memory_mb``
-(``ExpertCompressionConfig.experts_per_call``, calibration/experts.py). Its estimate counts, per call:
+(``ExpertCompressionConfig.experts_per_call``, calibration/experts.py), by ``gptq_call_bytes``:
   vmapped     E × 4·cols·(HESSIAN_COPIES·cols + WEIGHT_COPIES·rows) bytes (inputs included);
   sequential  E × (4·cols·(cols + rows) + rows·cols) for every expert's Hessian, weights and codes,
               + 4·cols·(SEQUENTIAL_HESSIAN_COPIES·cols + SEQUENTIAL_WEIGHT_COPIES·rows) for the one
@@ -75,15 +75,6 @@ def child(experts: int, rows: int, cols: int, mode: str) -> dict:
     return dict(working_bytes=_status_bytes("VmHWM") - before, input_bytes=4 * experts * cols * (cols + rows))
 
 
-def estimate(experts: int, rows: int, cols: int, mode: str) -> int:
-    from qmoe_jax.calibration import experts as module
-
-    if mode == "sequential":
-        return (experts * (4 * cols * (cols + rows) + rows * cols)
-                + 4 * cols * (module.SEQUENTIAL_HESSIAN_COPIES * cols + module.SEQUENTIAL_WEIGHT_COPIES * rows))
-    return experts * 4 * cols * (module.HESSIAN_COPIES * cols + module.WEIGHT_COPIES * rows)
-
-
 def main():
     args = parse_args()
     if args.child:
@@ -91,6 +82,8 @@ def main():
         print(json.dumps(child(int(experts), int(rows), int(cols), mode)))
         return
     from machine import cpu_model
+
+    from qmoe_jax.calibration.experts import gptq_call_bytes
 
     mib = 1 << 20
     rows_out = []
@@ -104,7 +97,7 @@ def main():
                                       capture_output=True, text=True, check=True)
                 measured = json.loads(done.stdout.strip().splitlines()[-1])
                 total = measured["working_bytes"] + measured["input_bytes"]
-                guess = estimate(experts, rows, cols, mode)
+                guess = gptq_call_bytes(rows, cols, experts, sequential=mode == "sequential")
                 row = dict(rows=rows, cols=cols, mode=mode, experts=experts, **measured, total_bytes=total,
                            estimate_bytes=guess)
                 rows_out.append(row)

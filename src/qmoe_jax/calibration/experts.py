@@ -58,6 +58,16 @@ SEQUENTIAL_HESSIAN_COPIES = 4
 SEQUENTIAL_WEIGHT_COPIES = 3
 
 
+def gptq_call_bytes(rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1) -> int:
+    """Estimated peak bytes of one GPTQ call over ``experts`` W[rows, cols], its inputs included: a vmapped call
+    holds every expert's working copies; a ``sequential`` one every expert's Hessian, weights and uint8 codes,
+    and one expert's working copies on each of its ``devices`` (benchmarks/gptq_memory.py measures both)."""
+    if sequential:
+        working = devices * 4 * cols * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
+        return working + experts * (4 * cols * (cols + rows) + rows * cols)
+    return experts * 4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertCompressionConfig:
     """How experts are quantized.
@@ -84,16 +94,11 @@ class ExpertCompressionConfig:
     gptq_memory: int = 256 << 20
 
     def experts_per_call(self, rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1) -> int:
-        """Experts per GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory``, and the calls as even
-        as possible (fewer distinct shapes to compile). A vmapped call holds every expert's working copies;
-        a ``sequential`` one, each of its ``devices``, one expert's at a time."""
-        if sequential:
-            working = devices * 4 * cols * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
-            per_expert = 4 * cols * (cols + rows) + rows * cols  # Hessian, weights, codes
-            fit = (self.gptq_memory - working) // per_expert
-        else:
-            fit = self.gptq_memory // (4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows))
-        most = max(1, min(self.group_size, fit))
+        """Experts per GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory`` by ``gptq_call_bytes``,
+        and the calls as even as possible (fewer distinct shapes to compile)."""
+        fixed = gptq_call_bytes(rows, cols, 0, sequential, devices)  # the estimate is fixed + experts × each
+        each = gptq_call_bytes(rows, cols, 1, sequential, devices) - fixed
+        most = max(1, min(self.group_size, (self.gptq_memory - fixed) // each))
         calls = max(1, -(-experts // most))
         return max(1, -(-experts // calls))
 
