@@ -30,7 +30,7 @@ import numpy as np
 from kernels_cpu import P0, encode_matrix, side_by_side, synthetic
 from machine import cpu_model
 
-from qmoe_jax import ops
+from qmoe_jax.kernels import ops
 from qmoe_jax.codec import CompressedExperts, build_dictionary
 
 D_MODEL, D_FF = 768, 3072

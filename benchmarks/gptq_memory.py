@@ -1,7 +1,7 @@
 """Peak memory of one GPTQ call over a group of experts, measured, against the estimate that sizes the calls.
 
 The calibration pass splits a group into calls of at most ``--gptq_memory_mb``
-(``ExpertCompressionConfig.experts_per_call``, calibration/experts.py), by ``gptq_call_bytes``:
+(``ExpertCompressionConfig.experts_per_call``, calibration/expert_groups.py), by ``gptq_call_bytes``:
   vmapped     E × 4·cols·(HESSIAN_COPIES·cols + WEIGHT_COPIES·rows) bytes (inputs included);
   sequential  E × (4·cols·(cols + rows) + rows·cols) for every expert's Hessian, weights and codes,
               + 4·cols·(SEQUENTIAL_HESSIAN_COPIES·cols + SEQUENTIAL_WEIGHT_COPIES·rows) for the one
@@ -83,7 +83,7 @@ def main():
         return
     from machine import cpu_model
 
-    from qmoe_jax.calibration.experts import gptq_call_bytes
+    from qmoe_jax.calibration.expert_groups import gptq_call_bytes
 
     mib = 1 << 20
     rows_out = []

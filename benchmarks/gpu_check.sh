@@ -2,10 +2,10 @@
 # The GPU check of the CUDA kernels (issue #5), unattended, in under about 8
 # minutes on one H100/H200-class GPU:
 #   1. builds the extension with QMOE_CUDA=ON in-tree (cmake + ninja + nvcc;
-#      the module lands in src/qmoe_jax/, used through PYTHONPATH=src);
-#   2. runs tests/test_ops_cuda.py on the GPU, then the CPU op and native
-#      GPTQ tests (tests/test_ops.py, tests/test_ops_fuzz.py,
-#      tests/test_quant_gptq_native.py, tests/test_quant_linalg_native.py)
+#      the module lands in the repository root, beside qmoe_jax/);
+#   2. runs tests/kernels/test_ops_cuda.py on the GPU, then the CPU op and native
+#      GPTQ tests (tests/kernels/test_ops.py, tests/kernels/test_ops_fuzz.py,
+#      tests/quant/test_quant_gptq_native.py, tests/quant/test_quant_linalg_native.py)
 #      with JAX_PLATFORMS=cpu, under every instruction set the host's CPU
 #      has (the op tests run each one; the GPTQ tests compare the fastest
 #      with portable): on a host with AVX-512 this is where the AVX-512 CPU
@@ -73,21 +73,21 @@ run_logged build 240 bash -c "cmake -S . -B build/gpu-check -G Ninja -DCMAKE_BUI
   -DQMOE_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES='80;90' -DCMAKE_CUDA_COMPILER='$nvcc' \
   -DPython_EXECUTABLE='$python' && cmake --build build/gpu-check --parallel" || exit 1
 
-export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # the src layout: the root holds no qmoe_jax/
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the root: qmoe_jax/ and the built qmoe_jax_ext
 export PYTHONUNBUFFERED=1
-"$python" -c "from qmoe_jax import ops; assert ops.has_cuda_kernels(); print('CUDA handlers registered')" \
+"$python" -c "from qmoe_jax.kernels import ops; assert ops.has_cuda_kernels(); print('CUDA handlers registered')" \
   || { echo "gpu_check: the built extension has no CUDA handlers"; exit 1; }
 
-phase "tests on the GPU: tests/test_ops_cuda.py"
+phase "tests on the GPU: tests/kernels/test_ops_cuda.py"
 XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged tests_cuda 210 \
-  "$python" -m pytest -q -p no:cacheprovider -rs tests/test_ops_cuda.py
+  "$python" -m pytest -q -p no:cacheprovider -rs tests/kernels/test_ops_cuda.py
 
 phase "CPU op and native GPTQ tests (JAX_PLATFORMS=cpu), every instruction set of this CPU"
 grep -m1 "model name" /proc/cpuinfo || true
-JAX_PLATFORMS=cpu "$python" -c "from qmoe_jax import ops; print('CPU kernels:', ops.cpu_isas())" || status=1
+JAX_PLATFORMS=cpu "$python" -c "from qmoe_jax.kernels import ops; print('CPU kernels:', ops.cpu_isas())" || status=1
 JAX_PLATFORMS=cpu run_logged tests_cpu 180 \
-  "$python" -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_ops_fuzz.py \
-  tests/test_quant_gptq_native.py tests/test_quant_linalg_native.py
+  "$python" -m pytest -q -p no:cacheprovider tests/kernels/test_ops.py tests/kernels/test_ops_fuzz.py \
+  tests/quant/test_quant_gptq_native.py tests/quant/test_quant_linalg_native.py
 
 phase "CPU matvec per instruction set (benchmarks/matvec_scaling.py --isas): is AVX-512 or AVX2 faster here?"
 JAX_PLATFORMS=cpu run_logged matvec_isas 60 "$python" benchmarks/matvec_scaling.py --isas --calls 60

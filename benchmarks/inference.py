@@ -97,7 +97,7 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
     """A compressed checkpoint of the switch-base shape with ``experts`` experts, from random ternary codes."""
     import ml_dtypes
 
-    from qmoe_jax.checkpoints.compressed import CompressedCheckpointWriter
+    from qmoe_jax.checkpoints.format_v1 import CompressedCheckpointWriter
     from qmoe_jax.checkpoints.layer_arrays import ternary_arrays
     from qmoe_jax.codec import build_dictionary, encode_experts
     from qmoe_jax.models.mlp import kernel_names
@@ -154,7 +154,7 @@ def measure(path: str, form: str, repeats: int, decode_length: int, eval_batches
     import jax.numpy as jnp
 
     from qmoe_jax.inference import make_eval_step, open_model
-    from qmoe_jax.inference.decoding import DecodingConfig, generate
+    from qmoe_jax.inference.strategies import DecodingConfig, generate
     from qmoe_jax.models import MlpExperts, SwitchTransformer
 
     dtype = jnp.bfloat16 if form == "dense bf16" else jnp.float32

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from qmoe_jax import ops
+from qmoe_jax.kernels import ops
 from qmoe_jax.codec import build_dictionary, encode
 
 P0 = 0.885

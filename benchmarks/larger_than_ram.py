@@ -117,7 +117,7 @@ def general_compressor_gain(pool, mini: str | None) -> dict:
 
     out = {"random ternary, P(0) = 0.885": ratios([e[k][0].tobytes() for e in pool[:4] for k in e])}
     if mini and os.path.isfile(os.path.join(mini, "manifest.json")):
-        from qmoe_jax.checkpoints.compressed import CompressedCheckpoint
+        from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 
         checkpoint = CompressedCheckpoint(mini)
         streams = []
@@ -140,7 +140,7 @@ def layer_plan(config, pool):
 def write_checkpoint(directory: str, config, dictionary, pool) -> None:
     from tqdm import tqdm
 
-    from qmoe_jax.checkpoints.mapped import LayerIndex, MappedCheckpointWriter
+    from qmoe_jax.checkpoints.mapped_layout import LayerIndex, MappedCheckpointWriter
     from qmoe_jax.checkpoints.output_dir import locked
 
     os.makedirs(directory, exist_ok=True)
@@ -191,7 +191,7 @@ def measure(directory: str, prompt_length: int, decode_length: int, expert_cache
     import jax.numpy as jnp
 
     from qmoe_jax.inference import open_model
-    from qmoe_jax.inference.decoding import DecodingConfig, generate
+    from qmoe_jax.inference.strategies import DecodingConfig, generate
     from qmoe_jax.models import SwitchTransformer
 
     started = time.perf_counter()
@@ -266,7 +266,7 @@ def main() -> None:
         print(json.dumps(measure(args.child, args.prompt_length, args.decode_length, args.expert_cache_gb)))
         return
 
-    from qmoe_jax.checkpoints.mapped import LayerIndex, is_mapped_checkpoint
+    from qmoe_jax.checkpoints.mapped_layout import LayerIndex, is_mapped_checkpoint
 
     ram = mem_total()
     print(f"encoding a pool of {args.pool} c-2048-shaped experts ...", flush=True)

@@ -20,9 +20,9 @@ import shutil
 import tempfile
 import time
 
-from qmoe_jax import bundled
-from qmoe_jax.inference.compressed import load_compressed_model
-from qmoe_jax.compression import CompressionOptions, compress_checkpoint
+from qmoe_jax.data import bundled
+from qmoe_jax.inference.compressed_params import load_compressed_model
+from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
 from qmoe_jax.data import Tokenizer
 from qmoe_jax.inference import (bundled_validation_examples, evaluate_batches, load_t5x_params, make_eval_step,
                                 mean_cross_entropy, padded_batches)

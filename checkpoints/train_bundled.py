@@ -23,11 +23,13 @@ import time
 import jax
 import numpy as np
 
-from qmoe_jax import bundled, evaluate
+from qmoe_jax import evaluate
+
+from qmoe_jax.data import bundled
 from qmoe_jax.checkpoints import write_t5x_checkpoint
 from qmoe_jax.data import Tokenizer, batch_examples, corpus, span_corruption_examples, token_chunks, train_sentencepiece
 from qmoe_jax.models import SwitchTransformer, get_config
-from qmoe_jax.training import TrainConfig, moe_aux_losses, train
+from qmoe_jax.training.pretrain import TrainConfig, moe_aux_losses, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,18 +1,7 @@
 import os
-import random
 
 import pytest
-
-WORDS = (
-    "the a compressed expert router token layer matrix weight ternary code dictionary "
-    "model sparse dense switch calibration hessian column row kernel decode encode "
-    "quickly slowly runs holds reads writes small large every each one two three"
-).split()
-
-
-def synthetic_sentences(count: int, seed: int = 0) -> list[str]:
-    rng = random.Random(seed)
-    return [" ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 14))) + "." for _ in range(count)]
+from helpers.text import synthetic_sentences
 
 
 @pytest.fixture(scope="session")
@@ -35,9 +24,26 @@ def dictionary():
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory, tiny_tokenizer):
     """(checkpoint, calibration text, tokenizer) of the tiny Switch model of ``switch_fixtures.TINY``."""
-    from switch_fixtures import write_calibration_text, write_tiny_checkpoint
+    from helpers.switch_fixtures import write_calibration_text, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
     checkpoint = write_tiny_checkpoint(root / "t5x")
     text = write_calibration_text(root / "calibration.txt")
     return checkpoint, text, tiny_tokenizer.model_path
+
+
+@pytest.fixture(scope="module")
+def compressed_tiny(tmp_path_factory, tiny_tokenizer):
+    """(T5X checkpoint, compressed directory, tokenizer) of the tiny Switch model, compressed with GPTQ."""
+    from helpers.switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
+
+    from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+
+    root = tmp_path_factory.mktemp("inference")
+    checkpoint = write_tiny_checkpoint(root / "t5x")
+    text = write_calibration_text(root / "calibration.txt")
+    options = CompressionOptions(checkpoint=checkpoint, tokenizer=tiny_tokenizer.model_path,
+                                 calibration=f"text:{text}", num_samples=24, inputs_length=32, batch_size=8,
+                                 group_size=2, output_dir=str(root / "compressed"))
+    compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
+    return checkpoint, str(root / "compressed"), tiny_tokenizer

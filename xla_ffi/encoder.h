@@ -1,5 +1,5 @@
 // Host-side dictionary encoder of format v1 (docs/format.md §5), bound into the
-// Python module qmoe_jax._qmoe_ext as class `EncoderTable`.
+// Python module qmoe_jax_ext as class `EncoderTable`.
 #pragma once
 
 #include <pybind11/pybind11.h>

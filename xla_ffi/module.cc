@@ -40,7 +40,7 @@ py::dict Registrations() {
 
 }  // namespace
 
-PYBIND11_MODULE(_qmoe_ext, m) {
+PYBIND11_MODULE(qmoe_jax_ext, m) {
   m.doc() = "qmoe_jax native extension: dictionary encoder and XLA FFI handlers";
 #ifdef QMOE_WITH_CUDA
   m.attr("with_cuda") = true;

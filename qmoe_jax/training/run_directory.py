@@ -1,0 +1,128 @@
+"""The fine-tuning run's directory: run manifest, Orbax training checkpoints, metrics, the fine-tuned model.
+
+Layout of ``--output_dir`` (docs/format.md §11)::
+
+    manifest.json      {"format": "qmoe_jax.finetune", "format_version": 1, "settings", "source", "complete", "model"}
+    train_state/<step>/  Orbax checkpoints of the trainable parameters and the optimizer state (the last two kept)
+    metrics.jsonl, metrics.png
+    model/             the fine-tuned checkpoint (compressed directory, or T5X model directory), written last
+
+A checkpoint step is written by Orbax into a temporary directory and renamed
+into place when complete, so ``kill -9`` leaves the previous steps intact and
+the half-written one unrecognized (and removed when the run restarts). The model
+is written to ``model.partial/`` and renamed; only then is the run marked
+complete. A restarted run must have the same settings and source.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import orbax.checkpoint as ocp
+
+from qmoe_jax.checkpoints.format_v1 import write_json_atomic
+from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
+
+FORMAT = "qmoe_jax.finetune"
+FORMAT_VERSION = 1
+FINETUNE_OUTPUT = OutputKind(FORMAT, "a qmoe_jax fine-tuning run")
+TRAIN_STATE = "train_state"
+MODEL = "model"
+METRICS = "metrics.jsonl"
+KEEP_CHECKPOINTS = 2
+
+
+class ResumeMismatchError(ValueError):
+    """The output directory holds a run with other settings or another source."""
+
+
+def _differences(stored: dict, current: dict, prefix: str = "") -> list[str]:
+    found = []
+    for key in sorted(set(stored) | set(current)):
+        old, new = stored.get(key, "<absent>"), current.get(key, "<absent>")
+        if isinstance(old, dict) and isinstance(new, dict):
+            found += _differences(old, new, f"{prefix}{key}.")
+        elif old != new:
+            found.append(f"{prefix}{key}: {old!r} before, {new!r} now")
+    return found
+
+
+class RunDirectory:
+    """A claimed fine-tuning output directory (the caller holds its lock, ``output_dir.claimed``).
+
+    Args:
+      directory: the absolute output directory.
+      record: ``{"settings": …, "source": …}``, JSON-able; a run found there must have recorded the same.
+    """
+
+    def __init__(self, directory: str, record: dict):
+        self.directory = directory
+        record = json.loads(json.dumps(record))
+        stored = read_json_object(os.path.join(directory, MANIFEST))
+        if stored is not None:
+            differences = _differences({k: stored.get(k) for k in record}, record)
+            if differences:
+                raise ResumeMismatchError(
+                    f"{directory} holds a fine-tuning run with other settings ({'; '.join(differences)}); re-run "
+                    "with the same flags to resume it, or choose a new --output_dir")
+            self.manifest = stored
+        else:
+            self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **record, "complete": False,
+                             "model": None}
+            write_json_atomic(os.path.join(directory, MANIFEST), self.manifest)
+        partial = self.path(MODEL + ".partial")
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+        self.checkpoints = ocp.CheckpointManager(
+            self.path(TRAIN_STATE),
+            options=ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=True, create=True))
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest.get("complete"))
+
+    def latest_step(self) -> int | None:
+        return self.checkpoints.latest_step()
+
+    def save(self, step: int, state: dict) -> None:
+        """Saves ``{"trainable": …, "opt_state": …}`` as step ``step`` (atomically)."""
+        self.checkpoints.save(step, args=ocp.args.StandardSave(state), force=True)
+        self.checkpoints.wait_until_finished()
+
+    def restore(self, step: int, abstract_state: dict) -> dict:
+        """The state saved at ``step``, in the structure, shapes and shardings of ``abstract_state``."""
+        return self.checkpoints.restore(step, args=ocp.args.StandardRestore(abstract_state))
+
+    def metrics_records(self, up_to_step: int) -> list[dict]:
+        """The metrics of steps ≤ ``up_to_step`` (what a resumed run keeps); rewrites the file without the rest."""
+        path = self.path(METRICS)
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        kept = [record for record in records if record["step"] <= up_to_step]
+        temporary = path + ".tmp"
+        with open(temporary, "w") as f:
+            f.writelines(json.dumps(record) + "\n" for record in kept)
+        os.replace(temporary, path)
+        return kept
+
+    def append_metrics(self, record: dict) -> None:
+        with open(self.path(METRICS), "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self, model_path: str, summary: dict) -> None:
+        """Marks the run complete once its model is in place (``model_path`` relative to the directory)."""
+        self.manifest.update(complete=True, model=model_path, summary=summary)
+        write_json_atomic(self.path(MANIFEST), self.manifest)
+
+    def close(self) -> None:
+        self.checkpoints.close()

@@ -1,8 +1,0 @@
-"""The calibration pass: token buffer, sublayers, expert-group compression, the layer-by-layer run."""
-
-from qmoe_jax.calibration.buffer import TokenBuffer as TokenBuffer
-from qmoe_jax.calibration.data import calibration_data as calibration_data
-from qmoe_jax.calibration.experts import ExpertCompressionConfig as ExpertCompressionConfig
-from qmoe_jax.calibration.pipeline import CalibrationConfig as CalibrationConfig
-from qmoe_jax.calibration.pipeline import CalibrationData as CalibrationData
-from qmoe_jax.calibration.pipeline import CalibrationPass as CalibrationPass

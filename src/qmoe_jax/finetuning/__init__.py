@@ -1,7 +1,0 @@
-"""Fine-tuning compressed (and T5X) Switch models: frozen compressed experts, trainable dense parts, expert LoRA."""
-
-from qmoe_jax.finetuning.run import FinetuneOptions as FinetuneOptions
-from qmoe_jax.finetuning.run import finetune as finetune
-from qmoe_jax.finetuning.tasks import Task as Task
-from qmoe_jax.finetuning.tasks import load_task as load_task
-from qmoe_jax.finetuning.trainable import select_trainable as select_trainable
