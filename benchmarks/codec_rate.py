@@ -145,7 +145,9 @@ def print_row(r: dict) -> None:
 
 
 def done_criteria(results: list[dict]) -> dict:
-    anchor = [r for r in results if r["p0"] == DEFAULT_P0 and (r["rows"], r["cols"]) == (2080, 6144)]
+    anchor = [
+        r for r in results if r["p0"] == DEFAULT_P0 and (r["rows"], r["cols"]) == (2080, 6144)
+    ]
     # Per core: weights per CPU second, the worse of the one-thread and all-core runs.
     per_core = min(
         min(r["encode_one_thread"]["weights_per_cpu_s"], r["encode_all_cores"]["weights_per_cpu_s"])
@@ -172,7 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     p0s, shapes = (QUICK_P0S, QUICK_SHAPES) if args.quick else (P0S, SHAPES)
 
     print("== codec rate vs bf16 (×) and encoder throughput (M weights per wall / CPU second) ==")
-    print(f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f} (shared machine)")
+    print(
+        f"cores: {os.cpu_count()}, load average before: {os.getloadavg()[0]:.2f} (shared machine)"
+    )
     print(HEADER)
     results = run(p0s, shapes, args.repeats, args.seed)
     criteria = done_criteria(results)

@@ -30,8 +30,8 @@ import numpy as np
 from kernels_cpu import P0, encode_matrix, side_by_side, synthetic
 from machine import cpu_model
 
-from qmoe_jax.kernels import ops
 from qmoe_jax.codec import CompressedExperts, build_dictionary
+from qmoe_jax.kernels import ops
 
 D_MODEL, D_FF = 768, 3072
 
@@ -91,8 +91,9 @@ def bench(experts: int, repeats: int, seed: int) -> dict:
         )
         timings["one_matrix_vs_all"] = timings["one_matrix"]["median_ms"] / all_ms
         results[name] = timings
-    return dict(chosen_expert=chosen, one_hot_vs_all_experts_max_abs_error=max_abs_error,
-                results=results)
+    return dict(
+        chosen_expert=chosen, one_hot_vs_all_experts_max_abs_error=max_abs_error, results=results
+    )
 
 
 def print_table(experts: int, results: dict) -> None:
@@ -132,8 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     measured = bench(args.experts, args.repeats, args.seed)
     print_table(args.experts, measured["results"])
-    print(f"one-hot vs all experts, max |difference| of the layer output: "
-          f"{measured['one_hot_vs_all_experts_max_abs_error']:.2e}")
+    print(
+        f"one-hot vs all experts, max |difference| of the layer output: "
+        f"{measured['one_hot_vs_all_experts_max_abs_error']:.2e}"
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
         json.dump(

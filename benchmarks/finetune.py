@@ -1,17 +1,24 @@
-"""Fine-tuning goals of issue 12: repair, downstream accuracy and cost, compressed against dense, side by side.
+"""Fine-tuning goals of issue 12: repair, downstream accuracy and cost, compressed against dense,
+side by side.
 
-Every fine-tuning run is its own `python -m qmoe_jax.finetune` process (so that its peak RSS is its own),
-with the same budget (steps, batch, learning rate, seed) for the compressed models and their control:
+Every fine-tuning run is its own `python -m qmoe_jax.finetune` process (so that its peak RSS is its
+own), with the same budget (steps, batch, learning rate, seed) for the compressed models and their
+control:
 
-  repair      span_corruption:bundled on the dense parts of the ternary RTN and GPTQ checkpoints of the
+  repair      span_corruption:bundled on the dense parts of the ternary RTN and GPTQ checkpoints of
+  the
               bundled model, and of the original bf16 model (the control: is the gain more than more
-              training?). Loss on the held-out plays before (step 0) and after, from each run's metrics
-              (the first --eval_examples validation examples, as `python -m qmoe_jax.evaluate` makes them).
-              gap recovered = (L_compressed - L_compressed_tuned) / (L_compressed - L_original).
-  downstream  name_the_work (given a passage, name the work): GPTQ checkpoint, dense parts; the same with
+              training?). Loss on the held-out plays before (step 0) and after, from each run's
+              metrics (the first --eval_examples validation examples, as `python -m
+              qmoe_jax.evaluate` makes them). gap recovered = (L_compressed - L_compressed_tuned) /
+              (L_compressed - L_original).
+  downstream  name_the_work (given a passage, name the work): GPTQ checkpoint, dense parts; the same
+  with
               expert LoRA; the original bf16 model, dense parts. Exact match of greedy answers.
-  cost        the switch-base-shaped synthetic compressed checkpoint of benchmarks/inference.py, fine-tuned
-              with its experts on the fused kernels and, as the control, dequantized to float32: median
+  cost        the switch-base-shaped synthetic compressed checkpoint of benchmarks/inference.py,
+  fine-tuned
+              with its experts on the fused kernels and, as the control, dequantized to float32:
+                median
               step time (compilation excluded) and peak RSS of each process.
 
     python benchmarks/finetune.py                                # all three goals
@@ -45,22 +52,38 @@ def compressed_bundled(method: str, work_dir: str) -> str:
     manifest = os.path.join(path, "manifest.json")
     if not (os.path.isfile(manifest) and json.load(open(manifest)).get("complete")):
         print(f"compressing the bundled model with RTN into {path}", flush=True)
-        subprocess.run([sys.executable, "-m", "qmoe_jax.compress", "--method", "rtn", "--eval_examples", "0",
-                        "--output_dir", path], cwd=REPO, check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "qmoe_jax.compress",
+                "--method",
+                "rtn",
+                "--eval_examples",
+                "0",
+                "--output_dir",
+                path,
+            ],
+            cwd=REPO,
+            check=True,
+        )
     return path
 
 
 def finetune(name: str, checkpoint: str | None, flags: list[str], work_dir: str) -> dict:
     """One fine-tuning run in its own process: its summary, metrics records and peak RSS."""
     output = os.path.join(work_dir, "runs", name)
-    if os.path.isdir(output):  # this script's own earlier run: start afresh, so that every figure is measured
+    if os.path.isdir(
+        output
+    ):  # this script's own earlier run: start afresh, so that every figure is measured
         shutil.rmtree(output)
     command = [sys.executable, "-m", "qmoe_jax.finetune", "--output_dir", output, *flags]
     if checkpoint:
         command += ["--checkpoint", checkpoint]
     print(f"fine-tuning {name}: {' '.join(command[1:])}", flush=True)
-    completed = subprocess.run([sys.executable, "-c", PEAK_WRAPPER, *command], capture_output=True, text=True,
-                               cwd=REPO)
+    completed = subprocess.run(
+        [sys.executable, "-c", PEAK_WRAPPER, *command], capture_output=True, text=True, cwd=REPO
+    )
     lines = completed.stdout.splitlines()
     if completed.returncode != 0:
         raise RuntimeError(f"{name} failed:\n{completed.stderr[-3000:]}")
@@ -68,42 +91,100 @@ def finetune(name: str, checkpoint: str | None, flags: list[str], work_dir: str)
     summary = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
     with open(os.path.join(output, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]
-    return {"name": name, "command": " ".join(command[1:]), "summary": summary, "first": records[0],
-            "last": records[-1], "peak_rss_gib": peak / 2**30}
+    return {
+        "name": name,
+        "command": " ".join(command[1:]),
+        "summary": summary,
+        "first": records[0],
+        "last": records[-1],
+        "peak_rss_gib": peak / 2**30,
+    }
 
 
 def repair(args) -> dict:
-    budget = ["--task", "span_corruption:bundled", "--steps", str(args.repair_steps), "--batch_size", "32",
-              "--learning_rate", str(args.repair_learning_rate), "--eval_examples", str(args.eval_examples),
-              "--eval_every", str(args.repair_steps), "--checkpoint_every", str(args.repair_steps)]
+    budget = [
+        "--task",
+        "span_corruption:bundled",
+        "--steps",
+        str(args.repair_steps),
+        "--batch_size",
+        "32",
+        "--learning_rate",
+        str(args.repair_learning_rate),
+        "--eval_examples",
+        str(args.eval_examples),
+        "--eval_every",
+        str(args.repair_steps),
+        "--checkpoint_every",
+        str(args.repair_steps),
+    ]
     runs = {"original": finetune("repair-original", None, budget, args.work_dir)}
     for method in ("rtn", "gptq"):
-        runs[method] = finetune(f"repair-{method}", compressed_bundled(method, args.work_dir), budget, args.work_dir)
+        runs[method] = finetune(
+            f"repair-{method}", compressed_bundled(method, args.work_dir), budget, args.work_dir
+        )
     loss = lambda run, when: run[when]["validation_loss"]  # noqa: E731
-    original_before, original_after = loss(runs["original"], "first"), loss(runs["original"], "last")
+    original_before, original_after = (
+        loss(runs["original"], "first"),
+        loss(runs["original"], "last"),
+    )
     rows = []
     for method in ("rtn", "gptq"):
         before, after = loss(runs[method], "first"), loss(runs[method], "last")
         gap = before - original_before
-        rows.append({"method": method, "original_loss": original_before, "compressed_loss": before,
-                     "tuned_loss": after, "control_tuned_loss": original_after,
-                     "gap_recovered": (before - after) / gap if gap > 0 else None,
-                     "gap_after_vs_control": after - original_after})
+        rows.append(
+            {
+                "method": method,
+                "original_loss": original_before,
+                "compressed_loss": before,
+                "tuned_loss": after,
+                "control_tuned_loss": original_after,
+                "gap_recovered": (before - after) / gap if gap > 0 else None,
+                "gap_after_vs_control": after - original_after,
+            }
+        )
     return {"rows": rows, "runs": runs}
 
 
 def downstream(args) -> dict:
-    budget = ["--task", "name_the_work", "--steps", str(args.downstream_steps), "--batch_size", "16",
-              "--learning_rate", str(args.downstream_learning_rate), "--eval_examples", str(args.eval_examples),
-              "--eval_every", str(args.downstream_steps), "--checkpoint_every", str(args.downstream_steps)]
+    budget = [
+        "--task",
+        "name_the_work",
+        "--steps",
+        str(args.downstream_steps),
+        "--batch_size",
+        "16",
+        "--learning_rate",
+        str(args.downstream_learning_rate),
+        "--eval_examples",
+        str(args.eval_examples),
+        "--eval_every",
+        str(args.downstream_steps),
+        "--checkpoint_every",
+        str(args.downstream_steps),
+    ]
     gptq = compressed_bundled("gptq", args.work_dir)
-    runs = {"dense (original bf16), dense parts": finetune("downstream-original", None, budget, args.work_dir),
-            "compressed, dense parts": finetune("downstream-compressed", gptq, budget, args.work_dir),
-            f"compressed, dense parts + expert LoRA r{args.lora_rank}": finetune(
-                "downstream-lora", gptq, budget + ["--expert_lora_rank", str(args.lora_rank)], args.work_dir)}
-    rows = [{"model": name, "exact_match": run["last"]["validation_exact_match"],
-             "token_accuracy": run["last"]["validation_token_accuracy"],
-             "validation_loss": run["last"]["validation_loss"]} for name, run in runs.items()]
+    runs = {
+        "dense (original bf16), dense parts": finetune(
+            "downstream-original", None, budget, args.work_dir
+        ),
+        "compressed, dense parts": finetune("downstream-compressed", gptq, budget, args.work_dir),
+        f"compressed, dense parts + expert LoRA r{args.lora_rank}": finetune(
+            "downstream-lora",
+            gptq,
+            budget + ["--expert_lora_rank", str(args.lora_rank)],
+            args.work_dir,
+        ),
+    }
+    rows = [
+        {
+            "model": name,
+            "exact_match": run["last"]["validation_exact_match"],
+            "token_accuracy": run["last"]["validation_token_accuracy"],
+            "validation_loss": run["last"]["validation_loss"],
+        }
+        for name, run in runs.items()
+    ]
     return {"rows": rows, "runs": runs}
 
 
@@ -112,24 +193,54 @@ def cost(args) -> dict:
         experts, work_dir = args.experts, args.synthetic_dir
 
     path = checkpoint_for("base-shaped", Paths)
-    budget = ["--task", "span_corruption:bundled", "--steps", str(args.cost_steps), "--batch_size",
-              str(args.cost_batch_size), "--eval_examples", str(args.cost_batch_size), "--eval_every",
-              str(args.cost_steps), "--checkpoint_every", str(args.cost_steps)]
-    runs = {form: finetune(f"cost-{form}", path, budget + ["--experts", form], args.work_dir)
-            for form in ("compressed", "dense")}
-    rows = [{"experts": form, "step_seconds": run["summary"]["step_seconds"], "peak_rss_gib": run["peak_rss_gib"]}
-            for form, run in runs.items()]
-    return {"rows": rows, "runs": runs, "checkpoint": path,
-            "step_time_ratio": rows[0]["step_seconds"] / rows[1]["step_seconds"],
-            "peak_rss_ratio": rows[0]["peak_rss_gib"] / rows[1]["peak_rss_gib"]}
+    budget = [
+        "--task",
+        "span_corruption:bundled",
+        "--steps",
+        str(args.cost_steps),
+        "--batch_size",
+        str(args.cost_batch_size),
+        "--eval_examples",
+        str(args.cost_batch_size),
+        "--eval_every",
+        str(args.cost_steps),
+        "--checkpoint_every",
+        str(args.cost_steps),
+    ]
+    runs = {
+        form: finetune(f"cost-{form}", path, budget + ["--experts", form], args.work_dir)
+        for form in ("compressed", "dense")
+    }
+    rows = [
+        {
+            "experts": form,
+            "step_seconds": run["summary"]["step_seconds"],
+            "peak_rss_gib": run["peak_rss_gib"],
+        }
+        for form, run in runs.items()
+    ]
+    return {
+        "rows": rows,
+        "runs": runs,
+        "checkpoint": path,
+        "step_time_ratio": rows[0]["step_seconds"] / rows[1]["step_seconds"],
+        "peak_rss_ratio": rows[0]["peak_rss_gib"] / rows[1]["peak_rss_gib"],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--goals", nargs="+", choices=GOALS, default=list(GOALS))
-    parser.add_argument("--work_dir", default=os.path.join(REPO, "benchmarks", "results", "finetune"))
-    parser.add_argument("--synthetic_dir", default=os.path.join(REPO, "benchmarks", "results", "inference"),
-                        help="where benchmarks/inference.py keeps (or this script writes) the synthetic checkpoint")
+    parser.add_argument(
+        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "finetune")
+    )
+    parser.add_argument(
+        "--synthetic_dir",
+        default=os.path.join(REPO, "benchmarks", "results", "inference"),
+        help="where benchmarks/inference.py keeps (or this script writes) the synthetic checkpoint",
+    )
     parser.add_argument("--experts", type=int, default=16, help="experts of the base-shaped model")
     parser.add_argument("--eval_examples", type=int, default=256)
     parser.add_argument("--repair_steps", type=int, default=300)
@@ -147,25 +258,51 @@ def main() -> None:
         results[goal] = {"repair": repair, "downstream": downstream, "cost": cost}[goal](args)
         out = os.path.join(args.work_dir, f"{goal}.json")
         with open(out, "w") as f:
-            json.dump({k: v for k, v in results.items() if k in ("cpu", "cores", "command", goal)}, f, indent=1)
-        print(f"{goal}: " + json.dumps({k: v for k, v in results[goal].items() if k != "runs"}, indent=1), flush=True)
+            json.dump(
+                {k: v for k, v in results.items() if k in ("cpu", "cores", "command", goal)},
+                f,
+                indent=1,
+            )
+        print(
+            f"{goal}: "
+            + json.dumps({k: v for k, v in results[goal].items() if k != "runs"}, indent=1),
+            flush=True,
+        )
     print(f"\nCPU: {results['cpu']}, {results['cores']} cores")
     if "repair" in results:
-        print(f"\n{'repair':<8}{'original':>10}{'compressed':>12}{'tuned':>10}{'control tuned':>15}{'gap recovered':>15}")
+        print(
+            f"\n{'repair':<8}{'original':>10}{'compressed':>12}{'tuned':>10}"
+            f"{'control tuned':>15}{'gap recovered':>15}"
+        )
         for row in results["repair"]["rows"]:
-            recovered = "n/a" if row["gap_recovered"] is None else f"{100 * row['gap_recovered']:.0f}%"
-            print(f"{row['method']:<8}{row['original_loss']:>10.4f}{row['compressed_loss']:>12.4f}"
-                  f"{row['tuned_loss']:>10.4f}{row['control_tuned_loss']:>15.4f}{recovered:>15}")
+            recovered = (
+                "n/a" if row["gap_recovered"] is None else f"{100 * row['gap_recovered']:.0f}%"
+            )
+            print(
+                f"{row['method']:<8}{row['original_loss']:>10.4f}{row['compressed_loss']:>12.4f}"
+                f"{row['tuned_loss']:>10.4f}{row['control_tuned_loss']:>15.4f}{recovered:>15}"
+            )
     if "downstream" in results:
-        print(f"\n{'downstream (name_the_work)':<48}{'exact match':>12}{'token acc':>11}{'loss':>8}")
+        print(
+            f"\n{'downstream (name_the_work)':<48}{'exact match':>12}{'token acc':>11}{'loss':>8}"
+        )
         for row in results["downstream"]["rows"]:
-            print(f"{row['model']:<48}{row['exact_match']:>12.3f}{row['token_accuracy']:>11.3f}"
-                  f"{row['validation_loss']:>8.3f}")
+            print(
+                f"{row['model']:<48}{row['exact_match']:>12.3f}{row['token_accuracy']:>11.3f}"
+                f"{row['validation_loss']:>8.3f}"
+            )
     if "cost" in results:
         c = results["cost"]
-        print(f"\ncost ({c['checkpoint']}): " + ", ".join(
-            f"{r['experts']} step {r['step_seconds']:.2f} s, peak RSS {r['peak_rss_gib']:.2f} GiB" for r in c["rows"])
-              + f"; compressed/dense: step {c['step_time_ratio']:.2f}x, peak RSS {c['peak_rss_ratio']:.2f}x")
+        print(
+            f"\ncost ({c['checkpoint']}): "
+            + ", ".join(
+                f"{r['experts']} step {r['step_seconds']:.2f} s, peak RSS {r['peak_rss_gib']:.2f} "
+                "GiB"
+                for r in c["rows"]
+            )
+            + f"; compressed/dense: step {c['step_time_ratio']:.2f}x, "
+            f"peak RSS {c['peak_rss_ratio']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from qmoe_jax.kernels import ops
 from qmoe_jax.codec import build_dictionary, encode
+from qmoe_jax.kernels import ops
 
 P0 = 0.885
 SHAPES = ((768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (2080, 6144), (6144, 2080))
@@ -163,7 +163,8 @@ def print_tables(results: list[dict]) -> None:
         vs_f32, vs_bf16 = ratio(m, "kernel_f32", "dense_f32"), ratio(m, "kernel_bf16", "dense_bf16")
         print(
             f"{r['rows']:>5}×{r['cols']:<4} | {times[0]:10.3f} {times[1]:11.3f} | {times[2]:9.3f} "
-            f"{times[3]:10.3f} | {vs_f32:6.2f} {vs_bf16:7.3f} | {r['encode_weights_per_s'] / 1e6:11.1f}"
+            f"{times[3]:10.3f} | {vs_f32:6.2f} {vs_bf16:7.3f} | "
+            f"{r['encode_weights_per_s'] / 1e6:11.1f}"
         )
     print("== matmul: N tokens, ms (median) ==")
     print(

@@ -1,4 +1,5 @@
-"""Fused CPU kernels vs XLA's dense dot under a model's access pattern: many experts, each used once per step.
+"""Fused CPU kernels vs XLA's dense dot under a model's access pattern: many experts, each used once
+per step.
 
 A model never multiplies one matrix back to back. At each decoding step a
 sparse layer touches one expert per token, and a model holds far more
@@ -56,11 +57,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kernels_cpu import P0, dense_weights, encode_matrix, side_by_side, synthetic  # noqa: E402
-from machine import cpu_model, last_level_cache, memory_bandwidth  # noqa: E402
+from kernels_cpu import P0, dense_weights, encode_matrix, side_by_side, synthetic
+from machine import cpu_model, last_level_cache, memory_bandwidth
 
-from qmoe_jax import ops  # noqa: E402
-from qmoe_jax.codec import CompressedExperts, build_dictionary  # noqa: E402
+from qmoe_jax import ops
+from qmoe_jax.codec import CompressedExperts, build_dictionary
 
 # (d_model, d_ff) of switch-base and switch-c; wi is [d_ff, d_model], wo [d_model, d_ff] (y = W·x).
 MODELS = {"switch-base": (768, 3072), "switch-c": (2080, 6144)}
@@ -69,7 +70,8 @@ MATMUL_TOKENS = 16
 
 
 def rotation_size(matrix_bytes: int, cache_bytes: int, minimum: int) -> int:
-    """Experts whose dense f32 total is at least 4x the last-level cache (and at least ``minimum``)."""
+    """Experts whose dense f32 total is at least 4x the last-level cache (and at least
+    ``minimum``)."""
     return max(minimum, math.ceil(4 * max(cache_bytes, 1) / matrix_bytes))
 
 
@@ -85,8 +87,10 @@ def expert_set(rng, dictionary, experts: int, rows: int, cols: int):
 
 def over_experts(fn, weights: list, x) -> callable:
     """Runs fn(w, x) for every w in turn (asynchronous dispatch), then waits for all."""
+
     def run():
         jax.block_until_ready([fn(w, x) for w in weights])
+
     return run
 
 
@@ -108,29 +112,42 @@ def bench_matrix(rng, dictionary, rows, cols, cache, bandwidth, repeats, minimum
     tiny = [jnp.zeros(1)] * experts
     error = max(float(jnp.abs(kernel_matvec(m, x) - dot(d, x)).max()) for m, d in zip(w, dense_f32))
 
-    times = side_by_side({
-        "kernel_f32": over_experts(kernel_matvec, w, x),
-        "dense_f32": over_experts(dot, dense_f32, x),
-        "kernel_16": over_experts(kernel_matmul, w, xs),
-        "dense_f32_16": over_experts(dense_matmul, dense_f32, xs),
-        "dispatch_floor": over_experts(floor, tiny, jnp.zeros(1)),
-    }, repeats)
+    times = side_by_side(
+        {
+            "kernel_f32": over_experts(kernel_matvec, w, x),
+            "dense_f32": over_experts(dot, dense_f32, x),
+            "kernel_16": over_experts(kernel_matmul, w, xs),
+            "dense_f32_16": over_experts(dense_matmul, dense_f32, xs),
+            "dispatch_floor": over_experts(floor, tiny, jnp.zeros(1)),
+        },
+        repeats,
+    )
     # XLA:CPU's bfloat16 dots are slow and compute-bound; whatever runs right
     # after one measurably slows down (see the module docstring), so they take
     # turns only with the kernel's bf16 call, in rounds of their own.
-    times |= side_by_side({
-        "kernel_bf16": over_experts(kernel_matvec, w, x.astype(jnp.bfloat16)),
-        "dense_bf16": over_experts(dot, dense_bf16, x.astype(jnp.bfloat16)),
-    }, repeats)
-    per_expert = {name: {key: value / experts for key, value in t.items()} for name, t in times.items()}  # ms
-    hot = side_by_side({
-        "kernel_f32": lambda: kernel_matvec(w[0], x).block_until_ready(),
-        "dense_f32": lambda: dot(dense_f32[0], x).block_until_ready(),
-    }, repeats * 4)
+    times |= side_by_side(
+        {
+            "kernel_bf16": over_experts(kernel_matvec, w, x.astype(jnp.bfloat16)),
+            "dense_bf16": over_experts(dot, dense_bf16, x.astype(jnp.bfloat16)),
+        },
+        repeats,
+    )
+    per_expert = {
+        name: {key: value / experts for key, value in t.items()} for name, t in times.items()
+    }  # ms
+    hot = side_by_side(
+        {
+            "kernel_f32": lambda: kernel_matvec(w[0], x).block_until_ready(),
+            "dense_f32": lambda: dot(dense_f32[0], x).block_until_ready(),
+        },
+        repeats * 4,
+    )
     codewords = int(np.asarray(compressed[0].row_offsets)[-1])
     kernel_s = per_expert["kernel_f32"]["median_ms"] / 1e3
     return {
-        "rows": rows, "cols": cols, "experts": experts,
+        "rows": rows,
+        "cols": cols,
+        "experts": experts,
         "rotation_dense_f32_bytes": experts * matrix_bytes,
         "bits_per_weight": compressed[0].bits_per_weight(),
         "codewords": codewords,
@@ -148,7 +165,10 @@ def bench_layer(rng, dictionary, d_model, d_ff, repeats):
     """One sparse layer's step: LAYER_EXPERTS experts, one token each."""
     wi, wi_dense = expert_set(rng, dictionary, LAYER_EXPERTS, d_ff, d_model)
     wo, wo_dense = expert_set(rng, dictionary, LAYER_EXPERTS, d_model, d_ff)
-    wi, wo = jax.device_put(CompressedExperts.stack(wi)), jax.device_put(CompressedExperts.stack(wo))
+    wi, wo = (
+        jax.device_put(CompressedExperts.stack(wi)),
+        jax.device_put(CompressedExperts.stack(wo)),
+    )
     dense = {"f32": (jnp.asarray(wi_dense), jnp.asarray(wo_dense))}
     dense["bf16"] = tuple(a.astype(jnp.bfloat16) for a in dense["f32"])
     del wi_dense, wo_dense
@@ -164,19 +184,31 @@ def bench_layer(rng, dictionary, d_model, d_ff, repeats):
         return jnp.einsum("ecj,erj->ecr", h, wo)
 
     error = float(jnp.abs(kernel_step(wi, wo, x) - dense_step(*dense["f32"], x)).max())
-    times = side_by_side({
-        "kernel_f32": lambda: kernel_step(wi, wo, x).block_until_ready(),
-        "dense_f32": lambda: dense_step(*dense["f32"], x).block_until_ready(),
-    }, repeats)
-    bf16 = side_by_side({  # rounds of their own, as in bench_matrix
-        "kernel_f32": lambda: kernel_step(wi, wo, x).block_until_ready(),
-        "dense_bf16": lambda: dense_step(*dense["bf16"], x).block_until_ready(),
-    }, max(3, repeats // 3))
+    times = side_by_side(
+        {
+            "kernel_f32": lambda: kernel_step(wi, wo, x).block_until_ready(),
+            "dense_f32": lambda: dense_step(*dense["f32"], x).block_until_ready(),
+        },
+        repeats,
+    )
+    bf16 = side_by_side(
+        {  # rounds of their own, as in bench_matrix
+            "kernel_f32": lambda: kernel_step(wi, wo, x).block_until_ready(),
+            "dense_bf16": lambda: dense_step(*dense["bf16"], x).block_until_ready(),
+        },
+        max(3, repeats // 3),
+    )
     times["dense_bf16"] = bf16["dense_bf16"]
     times["kernel_f32_in_bf16_rounds"] = bf16["kernel_f32"]
-    return {"d_model": d_model, "d_ff": d_ff, "experts": LAYER_EXPERTS, "tokens": LAYER_EXPERTS,
-            "dense_f32_bytes": 2 * LAYER_EXPERTS * d_model * d_ff * 4, "max_abs_error": error,
-            "times": times}
+    return {
+        "d_model": d_model,
+        "d_ff": d_ff,
+        "experts": LAYER_EXPERTS,
+        "tokens": LAYER_EXPERTS,
+        "dense_f32_bytes": 2 * LAYER_EXPERTS * d_model * d_ff * 4,
+        "max_abs_error": error,
+        "times": times,
+    }
 
 
 def diagnose(rng, dictionary, rows, cols, cache, repeats):
@@ -207,21 +239,35 @@ def diagnose(rng, dictionary, rows, cols, cache, repeats):
         for name in order.permutation(list(befores)):
             befores[name]()
             samples[name].append(kernel_time())
-    return {"rows": rows, "cols": cols,
-            "kernel_s": {name: {"median_s": float(np.median(t)), "min_s": float(np.min(t))}
-                         for name, t in samples.items()}}
+    return {
+        "rows": rows,
+        "cols": cols,
+        "kernel_s": {
+            name: {"median_s": float(np.median(t)), "min_s": float(np.min(t))}
+            for name, t in samples.items()
+        },
+    }
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="switch-base shapes only, fewer rounds")
+    parser.add_argument(
+        "--quick", action="store_true", help="switch-base shapes only, fewer rounds"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 30, quick 10)")
     parser.add_argument("--diagnose", action="store_true", help="also the interleaving diagnosis")
-    parser.add_argument("--diagnose_only", action="store_true",
-                        help="only the interleaving diagnosis (e.g. to compare two builds)")
+    parser.add_argument(
+        "--diagnose_only",
+        action="store_true",
+        help="only the interleaving diagnosis (e.g. to compare two builds)",
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                         "results", "kernels_cpu_rotating.json"))
+    parser.add_argument(
+        "--output",
+        default=os.path.join(
+            os.path.dirname(os.path.abspath(__file__)), "results", "kernels_cpu_rotating.json"
+        ),
+    )
     args = parser.parse_args(argv)
     repeats = args.repeats or (10 if args.quick else 30)
     models = {"switch-base": MODELS["switch-base"]} if args.quick else MODELS
@@ -231,46 +277,86 @@ def main(argv=None) -> None:
     isa = os.environ.get("QMOE_CPU_ISA") or ops.cpu_isas()[0]
     load_before = os.getloadavg()
     bandwidth = memory_bandwidth()
-    print(f"CPU: {cpu_model()}, {os.cpu_count()} cores, kernels {isa}; last-level cache L{cache['level']} "
-          f"{cache['bytes'] / 2**20:.0f} MiB; memory: copy {bandwidth['copy_gb_s']:.1f} GB/s, XLA dense dot "
-          f"reads {bandwidth['dot_read_gb_s']:.1f} GB/s; load average {load_before[0]:.2f}")
+    print(
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores, kernels {isa}; last-level cache "
+        f"L{cache['level']} "
+        f"{cache['bytes'] / 2**20:.0f} MiB; memory: copy {bandwidth['copy_gb_s']:.1f} GB/s, XLA "
+        "dense dot "
+        f"reads {bandwidth['dot_read_gb_s']:.1f} GB/s; load average {load_before[0]:.2f}"
+    )
 
     matrices, layers, criteria = [], {}, {}
     for model, (d_model, d_ff) in ({} if args.diagnose_only else models).items():
         for rows, cols in ((d_ff, d_model), (d_model, d_ff)):
-            matrices.append(dict(model=model, **bench_matrix(
-                rng, dictionary, rows, cols, cache, bandwidth, repeats,
-                minimum_experts=LAYER_EXPERTS if model == "switch-base" else 4)))
+            matrices.append(
+                dict(
+                    model=model,
+                    **bench_matrix(
+                        rng,
+                        dictionary,
+                        rows,
+                        cols,
+                        cache,
+                        bandwidth,
+                        repeats,
+                        minimum_experts=LAYER_EXPERTS if model == "switch-base" else 4,
+                    ),
+                )
+            )
         layers[model] = bench_layer(rng, dictionary, d_model, d_ff, repeats)
 
     if matrices:
         criteria = print_tables(matrices, layers)
     diagnosis = None
     if args.diagnose or args.diagnose_only:
-        diagnosis = [diagnose(rng, dictionary, rows, cols, cache, repeats * 4)
-                     for rows, cols in ((3072, 768), (2080, 6144))]
+        diagnosis = [
+            diagnose(rng, dictionary, rows, cols, cache, repeats * 4)
+            for rows, cols in ((3072, 768), (2080, 6144))
+        ]
         print("== one-token matvec after ...: ms, medians (min) ==")
         for d in diagnosis:
-            cells = ", ".join(f"{name} {v['median_s'] * 1e3:.3f} ({v['min_s'] * 1e3:.3f})"
-                              for name, v in d["kernel_s"].items())
+            cells = ", ".join(
+                f"{name} {v['median_s'] * 1e3:.3f} ({v['min_s'] * 1e3:.3f})"
+                for name, v in d["kernel_s"].items()
+            )
             print(f"{d['rows']:>5}×{d['cols']:<4} {cells}")
 
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as f:
-        json.dump({"command": " ".join(["python", "benchmarks/kernels_cpu_rotating.py", *sys.argv[1:]]),
-                   "cpu": cpu_model(), "cores": os.cpu_count(), "kernels": isa, "last_level_cache": cache,
-                   "memory_bandwidth": bandwidth, "repeats": repeats, "load_average_before": load_before,
-                   "load_average_after": os.getloadavg(), "matrices": matrices, "layers": layers,
-                   "diagnosis": diagnosis, "goals": criteria}, f, indent=1)
+        json.dump(
+            {
+                "command": " ".join(
+                    ["python", "benchmarks/kernels_cpu_rotating.py", *sys.argv[1:]]
+                ),
+                "cpu": cpu_model(),
+                "cores": os.cpu_count(),
+                "kernels": isa,
+                "last_level_cache": cache,
+                "memory_bandwidth": bandwidth,
+                "repeats": repeats,
+                "load_average_before": load_before,
+                "load_average_after": os.getloadavg(),
+                "matrices": matrices,
+                "layers": layers,
+                "diagnosis": diagnosis,
+                "goals": criteria,
+            },
+            f,
+            indent=1,
+        )
     print(f"wrote {args.output}")
 
 
 def print_tables(matrices: list, layers: dict) -> dict:
     """Prints the per-expert and layer tables; returns the goals' ratios."""
     print("== per expert, rotating over E experts (dense f32 total >= 4x LLC); ms, medians ==")
-    print(f"{'W':>10} {'E':>3} | {'kernel':>7} {'dense f32':>9} {'bf16':>7} {'ratio':>6} {'vs bf16':>7} | "
-          f"{'16 tok':>7} {'dense':>7} {'ratio':>6} | {'hot ratio':>9} | {'M cw/s':>7} {'dense GB/s':>10} "
-          f"{'mem-bound ms':>12} | {'dispatch':>8}")
+    print(
+        f"{'W':>10} {'E':>3} | {'kernel':>7} {'dense f32':>9} {'bf16':>7} {'ratio':>6} "
+        f"{'vs bf16':>7} | "
+        f"{'16 tok':>7} {'dense':>7} {'ratio':>6} | {'hot ratio':>9} | {'M cw/s':>7} "
+        f"{'dense GB/s':>10} "
+        f"{'mem-bound ms':>12} | {'dispatch':>8}"
+    )
     criteria = {}
     for r in matrices:
         t = {name: v["median_ms"] for name, v in r["per_expert"].items()}
@@ -280,23 +366,36 @@ def print_tables(matrices: list, layers: dict) -> dict:
         criteria[f"{name}_matvec_rotating_vs_dense_f32"] = ratio
         criteria[f"{name}_matvec_hot_vs_dense_f32"] = hot
         criteria[f"{name}_matmul16_rotating_vs_dense_f32"] = t["kernel_16"] / t["dense_f32_16"]
-        print(f"{r['rows']:>5}×{r['cols']:<4} {r['experts']:>3} | {t['kernel_f32']:7.3f} {t['dense_f32']:9.3f} "
-              f"{t['dense_bf16']:7.3f} {ratio:6.2f} {t['kernel_bf16'] / t['dense_bf16']:7.3f} | "
-              f"{t['kernel_16']:7.3f} {t['dense_f32_16']:7.3f} {t['kernel_16'] / t['dense_f32_16']:6.2f} | "
-              f"{hot:9.2f} | {r['kernel_codewords_per_s'] / 1e6:7.0f} {r['dense_f32_gb_s']:10.1f} "
-              f"{r['dense_f32_memory_bound_s'] * 1e3:12.3f} | {t['dispatch_floor']:8.3f}")
-    print(f"== sparse layer step: {LAYER_EXPERTS} experts, one token each (wi, relu, wo); ms, medians ==")
+        print(
+            f"{r['rows']:>5}×{r['cols']:<4} {r['experts']:>3} | {t['kernel_f32']:7.3f} "
+            f"{t['dense_f32']:9.3f} "
+            f"{t['dense_bf16']:7.3f} {ratio:6.2f} {t['kernel_bf16'] / t['dense_bf16']:7.3f} | "
+            f"{t['kernel_16']:7.3f} {t['dense_f32_16']:7.3f} "
+            f"{t['kernel_16'] / t['dense_f32_16']:6.2f} | "
+            f"{hot:9.2f} | {r['kernel_codewords_per_s'] / 1e6:7.0f} {r['dense_f32_gb_s']:10.1f} "
+            f"{r['dense_f32_memory_bound_s'] * 1e3:12.3f} | {t['dispatch_floor']:8.3f}"
+        )
+    print(
+        f"== sparse layer step: {LAYER_EXPERTS} experts, one token each (wi, relu, wo); ms, "
+        "medians =="
+    )
     for model, layer in layers.items():
         t = {name: v["median_ms"] for name, v in layer["times"].items()}
         ratio = t["kernel_f32"] / t["dense_f32"]
         criteria[f"{model}_layer_step_vs_dense_f32"] = ratio
-        print(f"{model:>12} (d_model {layer['d_model']}, d_ff {layer['d_ff']}): kernel {t['kernel_f32']:.3f}, "
-              f"dense f32 {t['dense_f32']:.3f}, dense bf16 {t['dense_bf16']:.3f}; ratio vs f32 {ratio:.2f}, "
-              f"vs bf16 {t['kernel_f32_in_bf16_rounds'] / t['dense_bf16']:.3f}")
+        print(
+            f"{model:>12} (d_model {layer['d_model']}, d_ff {layer['d_ff']}): kernel "
+            f"{t['kernel_f32']:.3f}, "
+            f"dense f32 {t['dense_f32']:.3f}, dense bf16 {t['dense_bf16']:.3f}; ratio vs f32 "
+            f"{ratio:.2f}, "
+            f"vs bf16 {t['kernel_f32_in_bf16_rounds'] / t['dense_bf16']:.3f}"
+        )
     matvec = [v for k, v in criteria.items() if k.endswith("_matvec_rotating_vs_dense_f32")]
     criteria["matvec_rotating_ok (<= 0.5)"] = max(matvec) <= 0.5
     criteria["matvec_rotating_stretch (<= 0.3)"] = max(matvec) <= 0.3
-    criteria["switch-base_layer_step_ok (<= 0.5)"] = criteria["switch-base_layer_step_vs_dense_f32"] <= 0.5
+    criteria["switch-base_layer_step_ok (<= 0.5)"] = (
+        criteria["switch-base_layer_step_vs_dense_f32"] <= 0.5
+    )
     print("== goals (medians) ==")
     for name, value in criteria.items():
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")

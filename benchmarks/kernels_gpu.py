@@ -41,8 +41,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from qmoe_jax.kernels import ops
 from qmoe_jax.codec import DEFAULT_P0, build_dictionary, encode
+from qmoe_jax.kernels import ops
 
 SHAPES = ((768, 3072), (3072, 768), (1024, 4096), (4096, 1024), (2080, 6144), (6144, 2080))
 C2048_SHAPES = ((2080, 6144), (6144, 2080))

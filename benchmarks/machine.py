@@ -19,7 +19,9 @@ def cpu_model() -> str:
     """/proc/cpuinfo's 'model name' (the platform's processor string elsewhere)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or "unknown"
 
@@ -75,8 +77,10 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
     bounds = np.linspace(0, count, threads + 1).astype(np.int64)
 
     def copy_all():
-        workers = [threading.Thread(target=np.copyto, args=(target[a:b], source[a:b]))
-                   for a, b in zip(bounds[:-1], bounds[1:])]
+        workers = [
+            threading.Thread(target=np.copyto, args=(target[a:b], source[a:b]))
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -90,8 +94,12 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
     dot = jax.jit(jnp.dot)
     dot_best = _best_seconds(lambda: dot(matrix, vector).block_until_ready(), repeats)
     nbytes = count * 4
-    return {"megabytes": megabytes, "copy_threads": threads,
-            "copy_gb_s": 2 * nbytes / copy_best / 1e9, "dot_read_gb_s": nbytes / dot_best / 1e9}
+    return {
+        "megabytes": megabytes,
+        "copy_threads": threads,
+        "copy_gb_s": 2 * nbytes / copy_best / 1e9,
+        "dot_read_gb_s": nbytes / dot_best / 1e9,
+    }
 
 
 def _best_seconds(run, repeats: int) -> float:

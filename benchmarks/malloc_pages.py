@@ -1,4 +1,5 @@
-"""GPTQ on one switch-base expert with and without huge pages for malloc (qmoe_jax/malloc.py), side by side.
+"""GPTQ on one switch-base expert with and without huge pages for malloc (qmoe_jax/malloc.py), side
+by side.
 
 glibc reads its tunables when a process starts, so the two settings cannot share one process:
 this script runs child processes, alternately with ``QMOE_JAX_HUGE_PAGES=0`` (4 KiB pages) and with
@@ -23,25 +24,33 @@ import sys
 
 from qmoe_jax import malloc
 
-if __name__ == "__main__" and "--child" in sys.argv:  # a child measuring with huge pages re-executes first
+if (
+    __name__ == "__main__" and "--child" in sys.argv
+):  # a child measuring with huge pages re-executes first
     malloc.reexec_with_huge_pages(__file__)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import pathlib  # noqa: E402
-import resource  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+import argparse
+import json
+import pathlib
+import resource
+import statistics
+import subprocess
+import time
 
 SETTINGS = {"off": {malloc.OPT_OUT: "0"}, "on": {malloc.OPT_OUT: "1"}}
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=3, help="pairs of child processes (off and on)")
-    parser.add_argument("--repeats", type=int, default=5, help="calls per matrix in each child (best is kept)")
-    parser.add_argument("--tokens", type=int, default=8192, help="calibration tokens behind the Hessians")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="pairs of child processes (off and on)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="calls per matrix in each child (best is kept)"
+    )
+    parser.add_argument(
+        "--tokens", type=int, default=8192, help="calibration tokens behind the Hessians"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/malloc_pages.json")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -60,14 +69,22 @@ def child(args) -> None:
 
     from qmoe_jax.quant import GPTQConfig, GridConfig, quantize_expert_group
 
-    layer = argparse.Namespace(seed=args.seed, experts=1, d_model=768, d_ff=3072, tokens=args.tokens)
+    layer = argparse.Namespace(
+        seed=args.seed, experts=1, d_model=768, d_ff=3072, tokens=args.tokens
+    )
     weights_wi, hessians_wi, weights_wo, hessians_wo = synthetic_layer(layer)
     count = jnp.ones((1,), jnp.int32)
     grid, config = GridConfig(), GPTQConfig()
     result = dict(huge_pages=malloc.huge_pages_status(), jax_version=jax.__version__)
-    for name, weights, hessians in (("wi", weights_wi, hessians_wi), ("wo", weights_wo, hessians_wo)):
+    for name, weights, hessians in (
+        ("wi", weights_wi, hessians_wi),
+        ("wo", weights_wo, hessians_wo),
+    ):
+
         def call():
-            return jax.block_until_ready(quantize_expert_group(weights, hessians, count, grid, config))  # noqa: B023
+            return jax.block_until_ready(
+                quantize_expert_group(weights, hessians, count, grid, config)
+            )
 
         call()  # compile
         seconds, faults = [], []
@@ -85,15 +102,28 @@ def child(args) -> None:
 
 def run_child(args, setting: str) -> dict:
     here = pathlib.Path(__file__).resolve()
-    command = [sys.executable, str(here), "--child", "--repeats", str(args.repeats), "--tokens", str(args.tokens),
-               "--seed", str(args.seed)]
+    command = [
+        sys.executable,
+        str(here),
+        "--child",
+        "--repeats",
+        str(args.repeats),
+        "--tokens",
+        str(args.tokens),
+        "--seed",
+        str(args.seed),
+    ]
     env = {key: value for key, value in os.environ.items() if key != malloc.TUNABLES}
     env.update(SETTINGS[setting])
-    env["PYTHONPATH"] = os.pathsep.join([str(here.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                              if p])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(here.parent)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    )
     completed = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
-        raise SystemExit(f"the {setting!r} child failed (exit {completed.returncode}):\n{completed.stderr[-2000:]}")
+        raise SystemExit(
+            f"the {setting!r} child failed (exit "
+            f"{completed.returncode}):\n{completed.stderr[-2000:]}"
+        )
     return dict(json.loads(completed.stdout.strip().splitlines()[-1]), setting=setting)
 
 
@@ -105,24 +135,50 @@ def main():
 
     load_before = os.getloadavg()
     runs = []
-    print(f"GPTQ on one switch-base expert ({args.tokens} tokens), malloc huge pages off and on in alternate child "
-          f"processes; {cpu_model()}, {os.cpu_count()} CPUs, load average {load_before[0]:.1f} (shared machine)")
-    print(f"{'round':>5} {'pages':>5} {'wi s':>7} {'wo s':>7} {'expert s':>9} {'faults/call wi':>15} "
-          f"{'wo':>7}  malloc huge pages")
+    print(
+        f"GPTQ on one switch-base expert ({args.tokens} tokens), malloc huge pages off and on in "
+        "alternate child "
+        f"processes; {cpu_model()}, {os.cpu_count()} CPUs, load average {load_before[0]:.1f} "
+        "(shared machine)"
+    )
+    print(
+        f"{'round':>5} {'pages':>5} {'wi s':>7} {'wo s':>7} {'expert s':>9} {'faults/call wi':>15} "
+        f"{'wo':>7}  malloc huge pages"
+    )
     for round_index in range(args.rounds):
         order = ("off", "on") if round_index % 2 == 0 else ("on", "off")
         for setting in order:
             run = dict(run_child(args, setting), round=round_index)
             runs.append(run)
-            print(f"{round_index:>5} {setting:>5} {run['wi_seconds']:>7.3f} {run['wo_seconds']:>7.3f} "
-                  f"{run['expert_seconds']:>9.3f} {run['wi_page_faults']:>15} {run['wo_page_faults']:>7}  "
-                  f"{run['huge_pages']}", flush=True)
-    medians = {setting: statistics.median(run["expert_seconds"] for run in runs if run["setting"] == setting)
-               for setting in SETTINGS}
+            print(
+                f"{round_index:>5} {setting:>5} {run['wi_seconds']:>7.3f} "
+                f"{run['wo_seconds']:>7.3f} "
+                f"{run['expert_seconds']:>9.3f} {run['wi_page_faults']:>15} "
+                f"{run['wo_page_faults']:>7}  "
+                f"{run['huge_pages']}",
+                flush=True,
+            )
+    medians = {
+        setting: statistics.median(
+            run["expert_seconds"] for run in runs if run["setting"] == setting
+        )
+        for setting in SETTINGS
+    }
     ratio = medians["on"] / medians["off"]
-    print(f"median expert seconds: off {medians['off']:.3f}, on {medians['on']:.3f}; on/off {ratio:.2f}")
-    report = dict(args=vars(args), cpu=cpu_model(), cpus=os.cpu_count(), runs=runs, median_expert_seconds=medians,
-                  ratio_on_over_off=ratio, load_average_before=load_before, load_average_after=os.getloadavg())
+    print(
+        f"median expert seconds: off {medians['off']:.3f}, on {medians['on']:.3f}; on/off "
+        f"{ratio:.2f}"
+    )
+    report = dict(
+        args=vars(args),
+        cpu=cpu_model(),
+        cpus=os.cpu_count(),
+        runs=runs,
+        median_expert_seconds=medians,
+        ratio_on_over_off=ratio,
+        load_average_before=load_before,
+        load_average_after=os.getloadavg(),
+    )
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

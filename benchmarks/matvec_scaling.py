@@ -9,11 +9,10 @@ scales:
     python benchmarks/matvec_scaling.py
     taskset -c 0 python benchmarks/matvec_scaling.py
 
-With --isas, each instruction set the CPU kernels have here (``ops.cpu_isas()``)
-is timed on the same matrices, taking turns in shuffled rounds of one call each
-(QMOE_CPU_ISA is read at each call), so that their ratio comes from one stretch of the machine: on an
-AVX-512 CPU this says whether the AVX-512 or the AVX2 kernel is the faster
-(``benchmarks/gpu_check.sh`` runs it on its host):
+With --isas, each instruction set the CPU kernels have here (``ops.cpu_isas()``) is timed on the
+same matrices, taking turns in shuffled rounds of one call each (QMOE_CPU_ISA is read at each call),
+so that their ratio comes from one stretch of the machine: on an AVX-512 CPU this says whether the
+AVX-512 or the AVX2 kernel is the faster (``benchmarks/gpu_check.sh`` runs it on its host):
 
     python benchmarks/matvec_scaling.py --isas
 
@@ -33,15 +32,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import compressed_data  # noqa: E402
-from kernels_cpu import side_by_side  # noqa: E402
-from machine import cpu_model  # noqa: E402
+import compressed_data
+from kernels_cpu import side_by_side
+from machine import cpu_model
 
-from qmoe_jax import ops  # noqa: E402
-from qmoe_jax.codec import build_dictionary  # noqa: E402
+from qmoe_jax import ops
+from qmoe_jax.codec import build_dictionary
 
 SHAPES = ((2080, 6144), (6144, 2080), (768, 3072), (3072, 768))
 
@@ -57,14 +58,16 @@ def median_ms(fn, *args, calls: int) -> float:
 
 
 def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
-    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns in shuffled rounds of one call
-    each (kernels_cpu.side_by_side; "auto": the kernels' own choice, as when the variable is unset)."""
+    """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns in shuffled rounds of
+    one call each (kernels_cpu.side_by_side; "auto": the kernels' own choice, as when the variable
+    is unset)."""
     saved = os.environ.get("QMOE_CPU_ISA")
 
     def under(isa):
         def run():
             os.environ["QMOE_CPU_ISA"] = isa
             return fn(*args)
+
         return run
 
     try:
@@ -78,19 +81,30 @@ def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--calls", type=int, default=300)
-    parser.add_argument("--isas", action="store_true",
-                        help="time every instruction set the kernels have here, taking turns")
+    parser.add_argument(
+        "--isas",
+        action="store_true",
+        help="time every instruction set the kernels have here, taking turns",
+    )
     args = parser.parse_args()
     dictionary = build_dictionary(0.885)
     rng = np.random.default_rng(0)
     kernel = jax.jit(lambda w, x: ops.matvec(w, x, dictionary))
     dense = jax.jit(lambda w, x: w @ x)
     isas = ops.cpu_isas() if args.isas else [os.environ.get("QMOE_CPU_ISA") or "auto"]
-    print(f"CPU {cpu_model()}; cores available: {len(os.sched_getaffinity(0))}, jax {jax.__version__}, "
-          f"kernels here: {ops.cpu_isas()}, timed: {isas}")
-    print(f"{'W':>10} {'codewords':>10} {'ISA':>9} {'kernel ms':>10} {'M cw/s':>8} {'dense ms':>9} {'ratio':>6}")
+    print(
+        f"CPU {cpu_model()}; cores available: {len(os.sched_getaffinity(0))}, jax "
+        f"{jax.__version__}, "
+        f"kernels here: {ops.cpu_isas()}, timed: {isas}"
+    )
+    print(
+        f"{'W':>10} {'codewords':>10} {'ISA':>9} {'kernel ms':>10} {'M cw/s':>8} {'dense ms':>9} "
+        f"{'ratio':>6}"
+    )
     for rows, cols in SHAPES:
         w, weights = compressed_data.matrix(rng, dictionary, rows, cols)
         w = jax.device_put(w)
@@ -100,8 +114,11 @@ def main() -> None:
         kernel_ms = isa_medians_ms(kernel, w, x, isas=isas, calls=args.calls)
         d = median_ms(dense, weights, x, calls=args.calls)
         for isa, k in kernel_ms.items():
-            print(f"{rows:>5}×{cols:<4} {codewords:>10} {isa:>9} {k:>10.3f} {codewords / k / 1e3:>8.0f} "
-                  f"{d:>9.3f} {k / d:>6.2f}")
+            print(
+                f"{rows:>5}×{cols:<4} {codewords:>10} {isa:>9} {k:>10.3f} "
+                f"{codewords / k / 1e3:>8.0f} "
+                f"{d:>9.3f} {k / d:>6.2f}"
+            )
 
 
 if __name__ == "__main__":

@@ -28,11 +28,18 @@ def make_step(model: SwitchTransformer, optimizer: optax.GradientTransformation)
 
     def loss_fn(params, batch, dropout_key):
         logits, state = model.apply(
-            {"params": params}, batch["encoder_input_tokens"], batch["decoder_input_tokens"],
-            batch["decoder_target_tokens"], enable_dropout=True, rngs={"dropout": dropout_key},
-            mutable=["intermediates"])
+            {"params": params},
+            batch["encoder_input_tokens"],
+            batch["decoder_input_tokens"],
+            batch["decoder_target_tokens"],
+            enable_dropout=True,
+            rngs={"dropout": dropout_key},
+            mutable=["intermediates"],
+        )
         weights = (batch["decoder_target_tokens"] > 0).astype(jnp.float32)
-        xent = optax.softmax_cross_entropy_with_integer_labels(logits, batch["decoder_target_tokens"])
+        xent = optax.softmax_cross_entropy_with_integer_labels(
+            logits, batch["decoder_target_tokens"]
+        )
         loss = jnp.sum(xent * weights) / jnp.sum(weights)
         metrics = router_metrics(state["intermediates"])
         return loss + cfg.aux_loss_factor * metrics["auxiliary_loss"], loss
@@ -46,7 +53,9 @@ def make_step(model: SwitchTransformer, optimizer: optax.GradientTransformation)
     return step
 
 
-def time_config(config, batch_size: int, encoder_length: int, decoder_length: int, steps: int) -> dict:
+def time_config(
+    config, batch_size: int, encoder_length: int, decoder_length: int, steps: int
+) -> dict:
     rng = np.random.default_rng(0)
     batch = {
         "encoder_input_tokens": rng.integers(1, config.vocab_size, (batch_size, encoder_length)),
@@ -55,8 +64,12 @@ def time_config(config, batch_size: int, encoder_length: int, decoder_length: in
     batch["decoder_input_tokens"] = np.pad(batch["decoder_target_tokens"][:, :-1], ((0, 0), (1, 0)))
     batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
     model = SwitchTransformer(config)
-    params = jax.jit(model.init)(jax.random.PRNGKey(0), batch["encoder_input_tokens"],
-                                 batch["decoder_input_tokens"], batch["decoder_target_tokens"])["params"]
+    params = jax.jit(model.init)(
+        jax.random.PRNGKey(0),
+        batch["encoder_input_tokens"],
+        batch["decoder_input_tokens"],
+        batch["decoder_target_tokens"],
+    )["params"]
     optimizer = optax.adam(1e-3)
     opt_state = optimizer.init(params)
     step = make_step(model, optimizer)
@@ -71,10 +84,15 @@ def time_config(config, batch_size: int, encoder_length: int, decoder_length: in
         loss.block_until_ready()
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
-    return {"param_dtype": config.param_dtype, "dtype": config.dtype,
-            "compile_and_first_step_s": compile_s, "median_step_s": float(np.median(times)),
-            "min_step_s": float(np.min(times)), "median_cpu_s": float(np.median(cpu_times)),
-            "final_loss": float(loss)}
+    return {
+        "param_dtype": config.param_dtype,
+        "dtype": config.dtype,
+        "compile_and_first_step_s": compile_s,
+        "median_step_s": float(np.median(times)),
+        "min_step_s": float(np.min(times)),
+        "median_cpu_s": float(np.median(cpu_times)),
+        "final_loss": float(loss),
+    }
 
 
 def main():
@@ -91,16 +109,28 @@ def main():
     rows = []
     for param_dtype, dtype in variants:
         config = dataclasses.replace(base, param_dtype=param_dtype, dtype=dtype)
-        rows.append(time_config(config, args.batch, args.encoder_length, args.decoder_length, args.steps))
+        rows.append(
+            time_config(config, args.batch, args.encoder_length, args.decoder_length, args.steps)
+        )
 
-    print(f"{args.config}: batch {args.batch}, encoder {args.encoder_length}, decoder "
-          f"{args.decoder_length}, Adam, {args.steps} timed steps, {jax.devices()[0].device_kind}")
-    print(f"{'params':>9} {'activations':>11} {'median s/step':>14} {'min s/step':>11} "
-          f"{'CPU s/step':>11} {'compile s':>10}")
+    print(
+        f"{args.config}: batch {args.batch}, encoder {args.encoder_length}, decoder "
+        f"{args.decoder_length}, Adam, {args.steps} timed steps, {jax.devices()[0].device_kind}"
+    )
+    print(
+        f"{'params':>9} {'activations':>11} {'median s/step':>14} {'min s/step':>11} "
+        f"{'CPU s/step':>11} {'compile s':>10}"
+    )
     for row in rows:
-        print(f"{row['param_dtype']:>9} {row['dtype']:>11} {row['median_step_s']:>14.3f} "
-              f"{row['min_step_s']:>11.3f} {row['median_cpu_s']:>11.3f} {row['compile_and_first_step_s']:>10.1f}")
-    print("CPU s/step is process CPU time (all threads); wall time on an idle 2-core machine is about half.")
+        print(
+            f"{row['param_dtype']:>9} {row['dtype']:>11} {row['median_step_s']:>14.3f} "
+            f"{row['min_step_s']:>11.3f} {row['median_cpu_s']:>11.3f} "
+            f"{row['compile_and_first_step_s']:>10.1f}"
+        )
+    print(
+        "CPU s/step is process CPU time (all threads); wall time on an idle 2-core machine is "
+        "about half."
+    )
     out = pathlib.Path(__file__).parent / "results" / "model_train_step.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

@@ -1,4 +1,5 @@
-"""Validation loss of the bundled model: bf16 vs RTN vs GPTQ, ternary and 2-bit, over calibration amounts.
+"""Validation loss of the bundled model: bf16 vs RTN vs GPTQ, ternary and 2-bit, over calibration
+  amounts.
 
 The paper's Table 5 layout (method × grid rows, calibration-amount columns),
 with the paper's Switch figures quoted beside ours. The metric is the
@@ -20,12 +21,17 @@ import shutil
 import tempfile
 import time
 
-from qmoe_jax.data import bundled
-from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
-from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import (bundled_validation_examples, evaluate_batches, load_t5x_params, make_eval_step,
-                                mean_cross_entropy, padded_batches)
+from qmoe_jax.data import Tokenizer, bundled
+from qmoe_jax.inference import (
+    bundled_validation_examples,
+    evaluate_batches,
+    load_t5x_params,
+    make_eval_step,
+    mean_cross_entropy,
+    padded_batches,
+)
+from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.models import SwitchTransformer, get_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -49,29 +55,53 @@ GPTQ_METHODS = [m for m in METHODS if m != "rtn"]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--num_samples", type=int, default=1024, help="calibration samples at 1×")
-    parser.add_argument("--validation_samples", type=int, default=None, help="default: the whole validation split")
-    parser.add_argument("--work_dir", default=None,
-                        help="keep the compressed checkpoints here (a fresh directory per run; "
-                             "default: a temporary directory, removed at the end)")
+    parser.add_argument(
+        "--validation_samples", type=int, default=None, help="default: the whole validation split"
+    )
+    parser.add_argument(
+        "--work_dir",
+        default=None,
+        help="keep the compressed checkpoints here (a fresh directory per run; "
+        "default: a temporary directory, removed at the end)",
+    )
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
-    parser.add_argument("--grids", default="ternary,2bit", help="comma-separated subset of ternary,2bit")
-    parser.add_argument("--amounts", default=",".join(map(str, AMOUNTS)),
-                        help="calibration amounts (multiples of --num_samples) for the GPTQ methods")
-    parser.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "quality.json"))
+    parser.add_argument(
+        "--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}"
+    )
+    parser.add_argument(
+        "--grids", default="ternary,2bit", help="comma-separated subset of ternary,2bit"
+    )
+    parser.add_argument(
+        "--amounts",
+        default=",".join(map(str, AMOUNTS)),
+        help="calibration amounts (multiples of --num_samples) for the GPTQ methods",
+    )
+    parser.add_argument(
+        "--out", default=os.path.join(REPO, "benchmarks", "results", "quality.json")
+    )
     args = parser.parse_args()
     args.methods, args.grids = args.methods.split(","), args.grids.split(",")
     try:
         args.amounts = tuple(float(amount) for amount in args.amounts.split(","))
     except ValueError:
-        parser.error(f"--amounts takes comma-separated numbers (multiples of --num_samples), got {args.amounts!r}")
+        parser.error(
+            "--amounts takes comma-separated numbers (multiples of --num_samples), got "
+            f"{args.amounts!r}"
+        )
     if any(amount <= 0 for amount in args.amounts):
         parser.error(f"--amounts must be positive, got {args.amounts}")
-    unknown = [m for m in args.methods if m not in METHODS] + [g for g in args.grids if g not in ("ternary", "2bit")]
+    unknown = [m for m in args.methods if m not in METHODS] + [
+        g for g in args.grids if g not in ("ternary", "2bit")
+    ]
     if unknown:
-        parser.error(f"unknown --methods/--grids entries {unknown}; methods are {list(METHODS)}, grids ternary, 2bit")
+        parser.error(
+            f"unknown --methods/--grids entries {unknown}; methods are {list(METHODS)}, grids "
+            "ternary, 2bit"
+        )
     if args.quick:
         args.num_samples, args.validation_samples = 128, 256
 
@@ -90,7 +120,9 @@ def run_all(args, work_dir: str) -> None:
     model = SwitchTransformer(config)
 
     def loss_of(params) -> float:
-        return mean_cross_entropy(model, params, examples, 32, bundled.INPUTS_LENGTH, bundled.DECODER_LENGTH)
+        return mean_cross_entropy(
+            model, params, examples, 32, bundled.INPUTS_LENGTH, bundled.DECODER_LENGTH
+        )
 
     # The same loss split by target: positions that predict a sentinel (a quarter
     # of them, and the ones QMoE's decoder premask keeps out of the Hessians) and the rest.
@@ -100,61 +132,112 @@ def run_all(args, work_dir: str) -> None:
     def split_losses(params) -> dict[str, float]:
         split = {}
         for part, keep in (("sentinel_targets", True), ("other_targets", False)):
-            weighted = [dict(batch, decoder_loss_weights=batch["decoder_loss_weights"]
-                             * (tokenizer.is_sentinel(batch["decoder_target_tokens"]) == keep)) for batch in batches]
+            weighted = [
+                dict(
+                    batch,
+                    decoder_loss_weights=batch["decoder_loss_weights"]
+                    * (tokenizer.is_sentinel(batch["decoder_target_tokens"]) == keep),
+                )
+                for batch in batches
+            ]
             split[part] = evaluate_batches(eval_step, params, weighted)
         return split
 
     bf16_params = load_t5x_params(bundled.checkpoint_path(), config)
-    results: dict = {"bf16": loss_of(bf16_params), "bf16_split": split_losses(bf16_params), "runs": []}
+    results: dict = {
+        "bf16": loss_of(bf16_params),
+        "bf16_split": split_losses(bf16_params),
+        "runs": [],
+    }
     del bf16_params
     print(f"bf16: {results['bf16']:.4f} on {len(examples)} validation examples", flush=True)
     runs = [("rtn", grid, None) for grid in args.grids if "rtn" in args.methods]
-    runs += [(method, grid, amount) for method in GPTQ_METHODS if method in args.methods for grid in args.grids
-             for amount in args.amounts]
+    runs += [
+        (method, grid, amount)
+        for method in GPTQ_METHODS
+        if method in args.methods
+        for grid in args.grids
+        for amount in args.amounts
+    ]
     for method, grid, amount in runs:
         samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
         name = f"{grid}-{method.replace(' ', '-')}" + ("" if amount is None else f"-{amount}x")
         output_dir = os.path.join(work_dir, name)
         if os.path.exists(output_dir):
-            raise SystemExit(f"{output_dir} exists; give an empty --work_dir so runs do not resume each other")
+            raise SystemExit(
+                f"{output_dir} exists; give an empty --work_dir so runs do not resume each other"
+            )
         started = time.time()
         report = compress_checkpoint(
-            CompressionOptions(grid=grid, num_samples=samples, output_dir=output_dir, **METHODS[method]),
-            log=lambda line: None, progress=False,
+            CompressionOptions(
+                grid=grid, num_samples=samples, output_dir=output_dir, **METHODS[method]
+            ),
+            log=lambda line: None,
+            progress=False,
         )
         compressed = load_compressed_model(output_dir)
         loss = loss_of(compressed.params)
         split = split_losses(compressed.params)
-        run = {"method": method, "settings": METHODS[method], "grid": grid, "amount": amount, "num_samples": samples, "loss": loss,
-               "increase": loss - results["bf16"],
-               "split_increase": {part: value - results["bf16_split"][part] for part, value in split.items()},
-               "bits_per_weight": report["moe"]["bits_per_weight"],
-               "fallback_experts": report["fallback_experts"], "seconds": time.time() - started}
+        run = {
+            "method": method,
+            "settings": METHODS[method],
+            "grid": grid,
+            "amount": amount,
+            "num_samples": samples,
+            "loss": loss,
+            "increase": loss - results["bf16"],
+            "split_increase": {
+                part: value - results["bf16_split"][part] for part, value in split.items()
+            },
+            "bits_per_weight": report["moe"]["bits_per_weight"],
+            "fallback_experts": report["fallback_experts"],
+            "seconds": time.time() - started,
+        }
         results["runs"].append(run)
         increases = run["split_increase"]
-        print(f"{name}: {loss:.4f} (+{run['increase']:.4f}; sentinel targets {increases['sentinel_targets']:+.4f}, "
-              f"others {increases['other_targets']:+.4f}), {run['bits_per_weight']:.3f} bits/weight, "
-              f"{run['seconds']:.0f}s", flush=True)
+        print(
+            f"{name}: {loss:.4f} (+{run['increase']:.4f}; sentinel targets "
+            f"{increases['sentinel_targets']:+.4f}, "
+            f"others {increases['other_targets']:+.4f}), {run['bits_per_weight']:.3f} bits/weight, "
+            f"{run['seconds']:.0f}s",
+            flush=True,
+        )
 
     def cell(method, grid, amount):
         for run in results["runs"]:
-            if run["method"] == method and run["grid"] == grid and (method == "rtn" or run["amount"] == amount):
+            if (
+                run["method"] == method
+                and run["grid"] == grid
+                and (method == "rtn" or run["amount"] == amount)
+            ):
                 return f"{run['loss']:.4f}"
         return "-"
 
-    header = f"{'':<24}" + "".join(f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in args.amounts)
+    header = f"{'':<24}" + "".join(
+        f"{f'{a}x ({int(a * args.num_samples)})':>16}" for a in args.amounts
+    )
     lines = [header, f"{'bf16':<24}" + f"{results['bf16']:>16.4f}" * len(args.amounts)]
     for grid in args.grids:
         for method in args.methods:
-            lines.append(f"{grid + ' ' + method:<24}" + "".join(f"{cell(method, grid, a):>16}" for a in args.amounts))
+            lines.append(
+                f"{grid + ' ' + method:<24}"
+                + "".join(f"{cell(method, grid, a):>16}" for a in args.amounts)
+            )
     lines.append("paper (C4 loss, full calibration):")
     for model_name, rows in PAPER.items():
         lines.append("  " + model_name + ": " + ", ".join(f"{k} {v:.2f}" for k, v in rows.items()))
-    ternary_rtn = next((r for r in results["runs"] if r["method"] == "rtn" and r["grid"] == "ternary"), None)
+    ternary_rtn = next(
+        (r for r in results["runs"] if r["method"] == "rtn" and r["grid"] == "ternary"), None
+    )
     for method in GPTQ_METHODS:
-        ternary = next((r for r in results["runs"]
-                        if r["method"] == method and r["grid"] == "ternary" and r["amount"] == 1.0), None)
+        ternary = next(
+            (
+                r
+                for r in results["runs"]
+                if r["method"] == method and r["grid"] == "ternary" and r["amount"] == 1.0
+            ),
+            None,
+        )
         if ternary is None or ternary_rtn is None:
             continue  # the ratio needs both rows
         ratio = ternary["increase"] / ternary_rtn["increase"]

@@ -11,8 +11,8 @@ this process, which holds the synthetic weights it wrote, would report this
 process's size instead of the child's. Pass: peak RSS ≤ 1/3
 of the checkpoint's size on disk.
 
-    python benchmarks/streaming.py                 # 5.5 GiB checkpoint, GPTQ, default flags (~12 min)
-    python benchmarks/streaming.py --quick         # 0.3 GiB, a smoke test of the harness
+    python benchmarks/streaming.py                 # 5.5 GiB checkpoint, GPTQ, default flags (~12
+    min) python benchmarks/streaming.py --quick         # 0.3 GiB, a smoke test of the harness
 
 The child runs in the work directory and imports whichever qmoe_jax the
 environment gives it (the installed package, or the source tree through
@@ -49,7 +49,9 @@ def synthetic_params(config, seed: int) -> dict:
         if path.endswith("scale"):
             value = np.ones(shape, ml_dtypes.bfloat16)
         else:
-            value = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(ml_dtypes.bfloat16)
+            value = (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(fan_in)).astype(
+                ml_dtypes.bfloat16
+            )
         node = params
         keys = path.split("/")
         for key in keys[:-1]:
@@ -62,7 +64,8 @@ def synthetic_params(config, seed: int) -> dict:
 PEAK_WRAPPER = (
     "import resource, subprocess, sys\n"
     "code = subprocess.call(sys.argv[1:])\n"
-    "print('qmoe-peak-rss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, flush=True)\n"
+    "print('qmoe-peak-rss', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024, "
+    "flush=True)\n"
     "sys.exit(code)\n"
 )
 
@@ -76,12 +79,21 @@ def _rss_of_child(wrapper_pid: int) -> int | None:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def run_sampled(command: list[str], cwd: str) -> tuple[int, int, list[tuple[float, str]], list[tuple[float, int]]]:
+def run_sampled(
+    command: list[str], cwd: str
+) -> tuple[int, int, list[tuple[float, str]], list[tuple[float, int]]]:
     """Runs the command under the peak wrapper. Returns (exit code, peak RSS in bytes, output
-    lines against time, RSS samples against time every 0.2 s, to say at which stage the peak was)."""
+    lines against time, RSS samples against time every 0.2 s, to say at which stage the peak was).
+    """
     started = time.time()
-    wrapper = subprocess.Popen([sys.executable, "-c", PEAK_WRAPPER, *command], cwd=cwd, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    wrapper = subprocess.Popen(
+        [sys.executable, "-c", PEAK_WRAPPER, *command],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
     samples: list[tuple[float, int]] = []
 
     def sample() -> None:
@@ -108,7 +120,9 @@ def run_sampled(command: list[str], cwd: str) -> tuple[int, int, list[tuple[floa
 
 
 def directory_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+    return sum(
+        os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
+    )
 
 
 def fresh_work_dir(path: str, marker_name: str) -> str:
@@ -119,8 +133,10 @@ def fresh_work_dir(path: str, marker_name: str) -> str:
     path = os.path.abspath(path)
     marker = os.path.join(path, marker_name)
     if os.path.isdir(path) and os.listdir(path) and not os.path.exists(marker):
-        raise SystemExit(f"--work_dir {path} holds files this benchmark did not make; "
-                         "give a new or empty directory (it is deleted at the end)")
+        raise SystemExit(
+            f"--work_dir {path} holds files this benchmark did not make; "
+            "give a new or empty directory (it is deleted at the end)"
+        )
     shutil.rmtree(path, ignore_errors=True)
     os.makedirs(path)
     open(marker, "w").close()
@@ -128,14 +144,25 @@ def fresh_work_dir(path: str, marker_name: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=6, help="encoder and decoder layers (every other one sparse)")
+    parser.add_argument(
+        "--layers", type=int, default=6, help="encoder and decoder layers (every other one sparse)"
+    )
     parser.add_argument("--num_samples", type=int, default=64)
     parser.add_argument("--method", default="gptq")
-    parser.add_argument("--work_dir", default=os.path.join(REPO, "benchmarks", "results", "streaming"))
-    parser.add_argument("--tokenizer", help="SentencePiece model for the calibration text (default: the bundled one)")
-    parser.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the output")
+    parser.add_argument(
+        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "streaming")
+    )
+    parser.add_argument(
+        "--tokenizer",
+        help="SentencePiece model for the calibration text (default: the bundled one)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the synthetic checkpoint and the output"
+    )
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
@@ -143,24 +170,48 @@ def main() -> None:
 
     base = get_config("switch-base-8")
     config = dataclasses.replace(
-        base, name=f"switch-base-synthetic-{args.experts}", num_experts=args.experts,
-        num_encoder_layers=args.layers, num_decoder_layers=args.layers,
-        num_encoder_sparse_layers=args.layers // 2, num_decoder_sparse_layers=args.layers // 2,
-        checkpoint_path=None, checkpoint_step=None,
+        base,
+        name=f"switch-base-synthetic-{args.experts}",
+        num_experts=args.experts,
+        num_encoder_layers=args.layers,
+        num_decoder_layers=args.layers,
+        num_encoder_sparse_layers=args.layers // 2,
+        num_decoder_sparse_layers=args.layers // 2,
+        checkpoint_path=None,
+        checkpoint_step=None,
     )
     args.work_dir = fresh_work_dir(args.work_dir, ".qmoe_streaming_benchmark")
     started = time.time()
-    checkpoint = write_t5x_checkpoint(os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1)
+    checkpoint = write_t5x_checkpoint(
+        os.path.join(args.work_dir, "t5x"), synthetic_params(config, 0), step=1
+    )
     checkpoint_bytes = directory_bytes(checkpoint)
     write_seconds = time.time() - started
     config_path = os.path.join(args.work_dir, "config.json")
     with open(config_path, "w") as f:
         json.dump(dataclasses.asdict(config), f)
-    print(f"synthetic checkpoint: {checkpoint_bytes / 2**30:.2f} GiB in {write_seconds:.0f}s ({checkpoint})", flush=True)
+    print(
+        f"synthetic checkpoint: {checkpoint_bytes / 2**30:.2f} GiB in {write_seconds:.0f}s "
+        f"({checkpoint})",
+        flush=True,
+    )
 
     output_dir = os.path.join(args.work_dir, "compressed")
-    command = [sys.executable, "-m", "qmoe_jax.compress", "--checkpoint", checkpoint, "--config", config_path,
-               "--num_samples", str(args.num_samples), "--method", args.method, "--output_dir", output_dir]
+    command = [
+        sys.executable,
+        "-m",
+        "qmoe_jax.compress",
+        "--checkpoint",
+        checkpoint,
+        "--config",
+        config_path,
+        "--num_samples",
+        str(args.num_samples),
+        "--method",
+        args.method,
+        "--output_dir",
+        output_dir,
+    ]
     if args.tokenizer:
         command += ["--tokenizer", args.tokenizer]
     started = time.time()
@@ -171,7 +222,10 @@ def main() -> None:
         raise SystemExit(f"compression failed with exit code {returncode}")
     peak_time, peak_sampled = max(samples, key=lambda sample: sample[1], default=(0.0, 0))
     peak_stage = next((line.strip() for t, line in reversed(log) if t <= peak_time), "(start-up)")
-    print(f"sampled RSS peak {peak_sampled / 2**30:.2f} GiB at {peak_time:.0f}s, after: {peak_stage[:160]}")
+    print(
+        f"sampled RSS peak {peak_sampled / 2**30:.2f} GiB at {peak_time:.0f}s, after: "
+        f"{peak_stage[:160]}"
+    )
     with open(os.path.join(output_dir, "report.json")) as f:
         report = json.load(f)
     result = {
@@ -187,8 +241,11 @@ def main() -> None:
         "command": " ".join(command[1:]),
     }
     print(f"{'checkpoint':>14} {'peak RSS':>10} {'ratio':>7} {'limit':>7} {'time':>8}  pass")
-    print(f"{checkpoint_bytes / 2**30:>12.2f}Gi {peak / 2**30:>8.2f}Gi {peak / checkpoint_bytes:>7.3f} "
-          f"{1 / 3:>7.3f} {compress_seconds:>7.0f}s  {result['passed']}")
+    print(
+        f"{checkpoint_bytes / 2**30:>12.2f}Gi {peak / 2**30:>8.2f}Gi "
+        f"{peak / checkpoint_bytes:>7.3f} "
+        f"{1 / 3:>7.3f} {compress_seconds:>7.0f}s  {result['passed']}"
+    )
     os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
     name = "streaming_quick.json" if args.quick else "streaming.json"
     with open(os.path.join(REPO, "benchmarks", "results", name), "w") as f:

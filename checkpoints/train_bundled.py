@@ -24,10 +24,16 @@ import jax
 import numpy as np
 
 from qmoe_jax import evaluate
-
-from qmoe_jax.data import bundled
 from qmoe_jax.checkpoints import write_t5x_checkpoint
-from qmoe_jax.data import Tokenizer, batch_examples, corpus, span_corruption_examples, token_chunks, train_sentencepiece
+from qmoe_jax.data import (
+    Tokenizer,
+    batch_examples,
+    bundled,
+    corpus,
+    span_corruption_examples,
+    token_chunks,
+    train_sentencepiece,
+)
 from qmoe_jax.models import SwitchTransformer, get_config
 from qmoe_jax.training.pretrain import TrainConfig, moe_aux_losses, train
 
@@ -38,14 +44,19 @@ def banner(title: str) -> None:
     print(f"\n==== {title} " + "=" * max(0, 70 - len(title)), flush=True)
 
 
-def unigram_baseline(train_targets: np.ndarray, validation_targets: np.ndarray, vocab_size: int) -> float:
-    """Cross-entropy (nats/token) of add-one unigram frequencies of training targets on validation targets."""
+def unigram_baseline(
+    train_targets: np.ndarray, validation_targets: np.ndarray, vocab_size: int
+) -> float:
+    """Cross-entropy (nats/token) of add-one unigram frequencies of training targets on validation
+    targets."""
     counts = np.bincount(train_targets, minlength=vocab_size).astype(np.float64) + 1.0
     return float(-np.log(counts[validation_targets] / counts.sum()).mean())
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--work_dir", default=os.path.join(REPO, "runs", "bundled"))
     parser.add_argument("--out_dir", default=os.path.join(REPO, "checkpoints", bundled.CONFIG_NAME))
     parser.add_argument("--steps", type=int, default=TrainConfig.steps)
@@ -56,7 +67,9 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     os.makedirs(args.work_dir, exist_ok=True)
-    command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:])
+    command = "python " + " ".join(
+        shlex.quote(a) for a in [os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]
+    )
 
     banner("corpus and tokenizer")
     train_documents = corpus.documents("train")
@@ -69,7 +82,10 @@ def main(argv=None) -> None:
     chunks = list(token_chunks(train_documents, tokenizer, data_config))
     chunks = [c for c in chunks if c.size == data_config.lengths[0]]
     validation = evaluate.bundled_validation_examples(tokenizer)
-    print(f"{len(chunks)} training chunks of {data_config.lengths[0]} tokens; {len(validation)} validation examples")
+    print(
+        f"{len(chunks)} training chunks of {data_config.lengths[0]} tokens; {len(validation)} "
+        "validation examples"
+    )
 
     banner("model")
     config = get_config(bundled.CONFIG_NAME)
@@ -80,19 +96,33 @@ def main(argv=None) -> None:
     ]
     first = eval_batches[0]
     params = model.init(
-        jax.random.PRNGKey(args.seed), first["encoder_input_tokens"][:2], first["decoder_input_tokens"][:2],
-        first["decoder_target_tokens"][:2], enable_dropout=False,
+        jax.random.PRNGKey(args.seed),
+        first["encoder_input_tokens"][:2],
+        first["decoder_input_tokens"][:2],
+        first["decoder_target_tokens"][:2],
+        enable_dropout=False,
     )["params"]
     print(f"{sum(x.size for x in jax.tree_util.tree_leaves(params)):,} parameters")
 
     banner("training")
     train_config = TrainConfig(
-        steps=args.steps, batch_size=args.batch_size, peak_learning_rate=args.peak_learning_rate, seed=args.seed,
-        warmup_steps=args.warmup_steps, eval_every=args.eval_every,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        peak_learning_rate=args.peak_learning_rate,
+        seed=args.seed,
+        warmup_steps=args.warmup_steps,
+        eval_every=args.eval_every,
     )
     params, history = train(
-        model, params, chunks, eval_batches, tokenizer.sentinel(0), bundled.INPUTS_LENGTH,
-        bundled.DECODER_LENGTH, train_config, moe_aux_losses,
+        model,
+        params,
+        chunks,
+        eval_batches,
+        tokenizer.sentinel(0),
+        bundled.INPUTS_LENGTH,
+        bundled.DECODER_LENGTH,
+        train_config,
+        moe_aux_losses,
         os.path.join(args.work_dir, "snapshot.msgpack"),
     )
 
@@ -102,12 +132,16 @@ def main(argv=None) -> None:
     for old in os.listdir(args.out_dir):
         if old.startswith("checkpoint_"):
             shutil.rmtree(os.path.join(args.out_dir, old))
-    checkpoint = write_t5x_checkpoint(args.out_dir, jax.device_get(params), step=step, dtype="bfloat16")
+    checkpoint = write_t5x_checkpoint(
+        args.out_dir, jax.device_get(params), step=step, dtype="bfloat16"
+    )
     shutil.copy(spm_prefix + ".model", os.path.join(args.out_dir, "spm.model"))
 
     started = time.time()
     bf16_loss = evaluate.evaluate_checkpoint(checkpoint, config, tokenizer)
-    train_targets = np.concatenate([t for _, t in span_corruption_examples(train_documents, tokenizer, data_config)])
+    train_targets = np.concatenate(
+        [t for _, t in span_corruption_examples(train_documents, tokenizer, data_config)]
+    )
     validation_targets = np.concatenate([t for _, t in validation])
     metadata = {
         "config": bundled.CONFIG_NAME,

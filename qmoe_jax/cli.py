@@ -1,4 +1,5 @@
-"""How every ``python -m qmoe_jax.*`` command ends: a short message for expected errors, a resume hint on interrupts.
+"""How every ``python -m qmoe_jax.*`` command ends: a short message for expected errors, a resume
+hint on interrupts.
 
 Wrap a command's ``main(argv)`` in ``run_cli``:
 
@@ -36,12 +37,16 @@ EXIT_SIGTERM = 128 + signal.SIGTERM
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised in the main thread as Ctrl-C raises ``KeyboardInterrupt``, so that the same cleanup runs."""
+    """SIGTERM, raised in the main thread as Ctrl-C raises ``KeyboardInterrupt``, so that the same
+    cleanup runs."""
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(DEBUG_FLAG, action="store_true",
-                        help=f"print the Python traceback of an error (also {DEBUG_ENVIRONMENT}=1)")
+    parser.add_argument(
+        DEBUG_FLAG,
+        action="store_true",
+        help=f"print the Python traceback of an error (also {DEBUG_ENVIRONMENT}=1)",
+    )
 
 
 def _debugging(argv: list[str]) -> bool:
@@ -63,7 +68,8 @@ def _with_notes(text: str, error: BaseException) -> str:
 
 
 def run_cli(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
-    """Runs ``main(argv)`` (default: the process's arguments) and turns its expected failures into exit codes."""
+    """Runs ``main(argv)`` (default: the process's arguments) and turns its expected failures into
+    exit codes."""
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = _debugging(argv)
     if not debug:

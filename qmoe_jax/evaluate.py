@@ -1,15 +1,16 @@
 """Span-corruption validation loss of a T5X or compressed checkpoint, the paper's quality metric.
 
-    python -m qmoe_jax.evaluate                     # the bundled model on its held-out validation plays
-    python -m qmoe_jax.evaluate --checkpoint runs/compressed/switch-mini-8     # the main job's output
-    python -m qmoe_jax.evaluate --checkpoint gs://.../checkpoint_500100 --config switch-base-8 \\
+    python -m qmoe_jax.evaluate                     # the bundled model on its held-out validation
+    plays python -m qmoe_jax.evaluate --checkpoint runs/compressed/switch-mini-8     # the main
+    job's output python -m qmoe_jax.evaluate --checkpoint gs://.../checkpoint_500100 --config
+    switch-base-8 \\
         --tokenizer cc_all.32000/sentencepiece.model --c4 /data/c4/en --num_samples 1000
 
 With ``--gin_file`` it runs gin-driven, as ``t5x.eval`` does (docs/gin.md):
 
     python -m qmoe_jax.evaluate --gin_file=runs/eval.gin --gin_file=models/switch_mini_8.gin \\
-        --gin.CHECKPOINT_PATH="'runs/compressed/switch-mini-8'" --gin.EVAL_OUTPUT_DIR="'runs/eval'" \\
-        --gin.MIXTURE_OR_TASK_NAME="'bundled_span_corruption'"
+        --gin.CHECKPOINT_PATH="'runs/compressed/switch-mini-8'" --gin.EVAL_OUTPUT_DIR="'runs/eval'"
+        \\ --gin.MIXTURE_OR_TASK_NAME="'bundled_span_corruption'"
 
 Without it, it prints one JSON line: the loss (nats per target token, length-weighted), the
 number of examples, the uniform predictor's loss for scale, target tokens per
@@ -28,10 +29,14 @@ import time
 
 import numpy as np
 
-from qmoe_jax.data import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
-from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference import add_model_arguments, mean_cross_entropy, open_model_from_args, validation_set
+from qmoe_jax.data import Tokenizer, bundled
+from qmoe_jax.inference import (
+    add_model_arguments,
+    mean_cross_entropy,
+    open_model_from_args,
+    validation_set,
+)
 from qmoe_jax.interop.gin_flags import uses_gin
 
 
@@ -41,15 +46,26 @@ def evaluate(argv: list[str]) -> None:
 
         evaluate_with_gin(argv)
         return
-    gin_flags = [arg for arg in argv if arg.startswith(("--gin.", "--gin_bindings", "--gin_search_paths"))]
+    gin_flags = [
+        arg for arg in argv if arg.startswith(("--gin.", "--gin_bindings", "--gin_search_paths"))
+    ]
     if gin_flags:
-        raise ValueError(f"{gin_flags[0].split('=')[0]} needs --gin_file (e.g. --gin_file=runs/eval.gin "
-                         "--gin_file=models/switch_mini_8.gin)")
-    parser = argparse.ArgumentParser(prog="python -m qmoe_jax.evaluate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+        raise ValueError(
+            f"{gin_flags[0].split('=')[0]} needs --gin_file (e.g. --gin_file=runs/eval.gin "
+            "--gin_file=models/switch_mini_8.gin)"
+        )
+    parser = argparse.ArgumentParser(
+        prog="python -m qmoe_jax.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_arguments(parser)
-    parser.add_argument("--c4", help="C4 directory or glob (default: the bundled corpus's validation split)")
-    parser.add_argument("--num_samples", type=int, default=None, help="validation examples (default: all)")
+    parser.add_argument(
+        "--c4", help="C4 directory or glob (default: the bundled corpus's validation split)"
+    )
+    parser.add_argument(
+        "--num_samples", type=int, default=None, help="validation examples (default: all)"
+    )
     parser.add_argument("--inputs_length", type=int, default=bundled.INPUTS_LENGTH)
     parser.add_argument("--batch_size", type=int, default=32)
     add_debug_flag(parser)
@@ -60,23 +76,44 @@ def evaluate(argv: list[str]) -> None:
 
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
     path = args.checkpoint or bundled.checkpoint_path()
-    validation = validation_set(f"c4:{args.c4}" if args.c4 else "bundled", tokenizer, args.num_samples,
-                                args.inputs_length)
+    validation = validation_set(
+        f"c4:{args.c4}" if args.c4 else "bundled", tokenizer, args.num_samples, args.inputs_length
+    )
     model = open_model_from_args(args)
     started = time.perf_counter()
-    loss = mean_cross_entropy(model.module, model.params, validation.examples, args.batch_size,
-                              validation.encoder_length, validation.decoder_length, progress=sys.stderr.isatty())
+    loss = mean_cross_entropy(
+        model.module,
+        model.params,
+        validation.examples,
+        args.batch_size,
+        validation.encoder_length,
+        validation.decoder_length,
+        progress=sys.stderr.isatty(),
+    )
     seconds = time.perf_counter() - started
     if not math.isfinite(loss):
-        raise ValueError(f"the validation loss of {path} is {loss}: the model's parameters hold NaN or infinite "
-                         "values, or its activations overflow; check the checkpoint (python -m qmoe_jax.compress "
-                         "names every non-finite array)")
+        raise ValueError(
+            f"the validation loss of {path} is {loss}: the model's parameters hold NaN or infinite "
+            "values, or its activations overflow; check the checkpoint (python -m "
+            "qmoe_jax.compress "
+            "names every non-finite array)"
+        )
     target_tokens = sum(len(targets) for _, targets in validation.examples)
-    print(json.dumps({"checkpoint": path, "config": model.config.name, "experts": model.experts,
-                      "examples": len(validation.examples), "validation_loss": round(loss, 6),
-                      "uniform_loss": round(float(np.log(tokenizer.vocab_size)), 6),
-                      "target_tokens_per_second": round(target_tokens / seconds, 1), "seconds": round(seconds, 2),
-                      "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}))
+    print(
+        json.dumps(
+            {
+                "checkpoint": path,
+                "config": model.config.name,
+                "experts": model.experts,
+                "examples": len(validation.examples),
+                "validation_loss": round(loss, 6),
+                "uniform_loss": round(float(np.log(tokenizer.vocab_size)), 6),
+                "target_tokens_per_second": round(target_tokens / seconds, 1),
+                "seconds": round(seconds, 2),
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            }
+        )
+    )
 
 
 def main(argv=None) -> None:

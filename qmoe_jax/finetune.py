@@ -1,4 +1,5 @@
-"""Fine-tune a compressed (or T5X) Switch model: frozen sub-1-bit experts, trainable dense parts, expert LoRA.
+"""Fine-tune a compressed (or T5X) Switch model: frozen sub-1-bit experts, trainable dense parts,
+expert LoRA.
 
     python -m qmoe_jax.finetune --checkpoint runs/compressed/switch-mini-8 --task name_the_work \\
         --output_dir runs/finetune/switch-mini-8
@@ -27,21 +28,46 @@ DEFAULTS = FinetuneOptions()
 
 
 def parse_options(argv: list[str]) -> FinetuneOptions:
-    parser = argparse.ArgumentParser(prog="python -m qmoe_jax.finetune", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", help="compressed directory or T5X checkpoint (default: the bundled model)")
-    parser.add_argument("--config", help="model config name of a T5X checkpoint (default: inferred)")
+    parser = argparse.ArgumentParser(
+        prog="python -m qmoe_jax.finetune",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--checkpoint", help="compressed directory or T5X checkpoint (default: the bundled model)"
+    )
+    parser.add_argument(
+        "--config", help="model config name of a T5X checkpoint (default: inferred)"
+    )
     parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
     parser.add_argument("--task", default=DEFAULTS.task)
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--experts", choices=["compressed", "dense"], default=DEFAULTS.experts,
-                        help="a compressed checkpoint's frozen experts: fused kernels, or dequantized (the control)")
-    parser.add_argument("--trainable", help="comma-separated regular expressions of parameter paths to train "
-                                            "(default: everything but the experts); expert adapters always train")
-    parser.add_argument("--expert_lora_rank", type=int, default=0, help="LoRA rank on every expert (0: off)")
+    parser.add_argument(
+        "--experts",
+        choices=["compressed", "dense"],
+        default=DEFAULTS.experts,
+        help="a compressed checkpoint's frozen experts: fused kernels, "
+        "or dequantized (the control)",
+    )
+    parser.add_argument(
+        "--trainable",
+        help="comma-separated regular expressions of parameter paths to train "
+        "(default: everything but the experts); expert adapters always train",
+    )
+    parser.add_argument(
+        "--expert_lora_rank", type=int, default=0, help="LoRA rank on every expert (0: off)"
+    )
     parser.add_argument("--warmup_steps", type=int, help="default: a tenth of --steps")
-    for name in ("steps", "batch_size", "accumulate", "inputs_length", "eval_examples", "seed",
-                 "eval_every", "checkpoint_every"):
+    for name in (
+        "steps",
+        "batch_size",
+        "accumulate",
+        "inputs_length",
+        "eval_examples",
+        "seed",
+        "eval_every",
+        "checkpoint_every",
+    ):
         parser.add_argument(f"--{name}", type=int, default=getattr(DEFAULTS, name))
     for name in ("learning_rate", "final_learning_rate_fraction", "weight_decay", "clip_norm"):
         parser.add_argument(f"--{name}", type=float, default=getattr(DEFAULTS, name))
@@ -56,8 +82,11 @@ def parse_options(argv: list[str]) -> FinetuneOptions:
 
 
 def main_(argv: list[str]) -> None:
-    summary = finetune(parse_options(argv), log=lambda line: print(line, file=sys.stderr, flush=True),
-                       progress=sys.stderr.isatty())
+    summary = finetune(
+        parse_options(argv),
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+        progress=sys.stderr.isatty(),
+    )
     print(json.dumps(summary))
 
 

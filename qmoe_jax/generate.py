@@ -2,9 +2,11 @@
 
     python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 \\
         --prompt "To be, or not to be, <extra_id_0> is the question."
-    python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 --input_file prompts.jsonl \\
+    python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 --input_file
+    prompts.jsonl \\
         --decoding beam --beam_size 4 --output_file out.jsonl
-    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped --prompt "..."
+    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped --prompt
+    "..."
 
 A mapped checkpoint (``python -m qmoe_jax.convert --layout mmap``) keeps the
 expert codes on disk until routed tokens touch them (``--verify``,
@@ -23,12 +25,11 @@ import json
 import sys
 import time
 
-from qmoe_jax.data import bundled
 from qmoe_jax.cli import add_debug_flag, run_cli
-from qmoe_jax.data import Tokenizer
+from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference import add_model_arguments, open_model_from_args
-from qmoe_jax.inference.strategies import METHODS, DecodingConfig
 from qmoe_jax.inference.generation import generate_texts
+from qmoe_jax.inference.strategies import METHODS, DecodingConfig
 
 
 def read_prompts(path: str) -> list[str]:
@@ -41,13 +42,18 @@ def read_prompts(path: str) -> list[str]:
             try:
                 prompts.append(str(json.loads(line)["inputs"]))
             except (ValueError, KeyError, TypeError):
-                raise ValueError(f'{path}:{number} is not a JSON object with an "inputs" field') from None
+                raise ValueError(
+                    f'{path}:{number} is not a JSON object with an "inputs" field'
+                ) from None
     return prompts
 
 
 def generate(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m qmoe_jax.generate", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m qmoe_jax.generate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_arguments(parser)
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--input_file", help='JSON lines with an "inputs" field')
@@ -55,13 +61,21 @@ def generate(argv: list[str]) -> None:
     parser.add_argument("--decoding", choices=METHODS, default="greedy")
     parser.add_argument("--max_decode_length", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--top_k", type=int, default=0, help="sample from the k most likely tokens (0: off)")
+    parser.add_argument(
+        "--top_k", type=int, default=0, help="sample from the k most likely tokens (0: off)"
+    )
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--beam_size", type=int, default=4)
-    parser.add_argument("--alpha", type=float, default=0.6, help="beam search brevity penalty exponent (T5X: 0.6)")
+    parser.add_argument(
+        "--alpha", type=float, default=0.6, help="beam search brevity penalty exponent (T5X: 0.6)"
+    )
     parser.add_argument("--batch_size", type=int, default=8)
-    parser.add_argument("--inputs_length", type=int, help="encoder length (default: longest prompt, rounded up to 8)")
+    parser.add_argument(
+        "--inputs_length",
+        type=int,
+        help="encoder length (default: longest prompt, rounded up to 8)",
+    )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if bool(args.prompt) == bool(args.input_file):
@@ -69,9 +83,15 @@ def generate(argv: list[str]) -> None:
     if args.batch_size < 1:
         parser.error(f"--batch_size must be at least 1, got {args.batch_size}")
     try:
-        config = DecodingConfig(method=args.decoding, max_decode_length=args.max_decode_length,
-                                temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                beam_size=args.beam_size, alpha=args.alpha)
+        config = DecodingConfig(
+            method=args.decoding,
+            max_decode_length=args.max_decode_length,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            beam_size=args.beam_size,
+            alpha=args.alpha,
+        )
     except ValueError as error:
         parser.error(str(error))
 
@@ -83,19 +103,40 @@ def generate(argv: list[str]) -> None:
     errors = model.residency.errors() if model.residency is not None else contextlib.nullcontext()
     try:
         with errors:
-            for result in generate_texts(model.module, model.params, tokenizer, prompts, config, args.batch_size,
-                                         args.inputs_length, args.seed,
-                                         progress=bool(args.input_file) and sys.stderr.isatty()):
+            for result in generate_texts(
+                model.module,
+                model.params,
+                tokenizer,
+                prompts,
+                config,
+                args.batch_size,
+                args.inputs_length,
+                args.seed,
+                progress=bool(args.input_file) and sys.stderr.isatty(),
+            ):
                 generated_tokens += len(result.tokens)
-                out.write(json.dumps({"inputs": result.inputs, "generated": result.text, "tokens": result.tokens,
-                                      "score": round(result.score, 6)}) + "\n")
+                out.write(
+                    json.dumps(
+                        {
+                            "inputs": result.inputs,
+                            "generated": result.text,
+                            "tokens": result.tokens,
+                            "score": round(result.score, 6),
+                        }
+                    )
+                    + "\n"
+                )
                 out.flush()
     finally:
         if out is not sys.stdout:
             out.close()
     seconds = time.perf_counter() - started
-    print(f"{len(prompts)} prompt(s), {generated_tokens} tokens in {seconds:.1f} s including compilation "
-          f"({model.experts} experts, {config.method})", file=sys.stderr)
+    print(
+        f"{len(prompts)} prompt(s), {generated_tokens} tokens in {seconds:.1f} s including "
+        "compilation "
+        f"({model.experts} experts, {config.method})",
+        file=sys.stderr,
+    )
 
 
 def main(argv=None) -> None:

@@ -20,18 +20,34 @@ from qmoe_jax.interop.qmoe_import import VERIFY_LEVELS, import_qmoe
 
 
 def _import(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m qmoe_jax.import_qmoe", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("source", help="a downloaded *_qmoe directory (config.json, noexp.pt, sizes.pt, exp*.pt)")
-    parser.add_argument("--output_dir", help="compressed checkpoint to write (default: runs/imported/<config>)")
-    parser.add_argument("--verify", choices=VERIFY_LEVELS, default="quick",
-                        help="on resume, check the imported parts' files and sizes (quick) or also every checksum "
-                             "and every imported layer's source SHA-256 (full)")
+    parser = argparse.ArgumentParser(
+        prog="python -m qmoe_jax.import_qmoe",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "source", help="a downloaded *_qmoe directory (config.json, noexp.pt, sizes.pt, exp*.pt)"
+    )
+    parser.add_argument(
+        "--output_dir", help="compressed checkpoint to write (default: runs/imported/<config>)"
+    )
+    parser.add_argument(
+        "--verify",
+        choices=VERIFY_LEVELS,
+        default="quick",
+        help="on resume, check the imported parts' files and sizes (quick) or also every checksum "
+        "and every imported layer's source SHA-256 (full)",
+    )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     print("==== qmoe_jax.import_qmoe " + "=" * 47, flush=True)
-    import_qmoe(args.source, args.output_dir, args.verify, log=lambda line: print(line, flush=True),
-                progress=sys.stderr.isatty())
+    import_qmoe(
+        args.source,
+        args.output_dir,
+        args.verify,
+        log=lambda line: print(line, flush=True),
+        progress=sys.stderr.isatty(),
+    )
 
 
 def main(argv=None) -> None:

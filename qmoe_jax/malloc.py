@@ -1,4 +1,5 @@
-"""glibc malloc settings for the commands that run big XLA programs (``python -m qmoe_jax.compress``).
+"""glibc malloc settings for the commands that run big XLA programs (``python -m
+qmoe_jax.compress``).
 
 Two settings, both for Linux with glibc; elsewhere they do nothing.
 
@@ -49,7 +50,8 @@ _M_ARENA_MAX = -8
 
 
 def limit_arenas(arenas: int = 2) -> None:
-    """Caps glibc's malloc arenas at ``arenas`` (M_ARENA_MAX); nothing where the C library is not glibc."""
+    """Caps glibc's malloc arenas at ``arenas`` (M_ARENA_MAX); nothing where the C library is not
+    glibc."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas)
     except (OSError, AttributeError):
@@ -57,15 +59,15 @@ def limit_arenas(arenas: int = 2) -> None:
 
 
 def thp_mode(path: str = THP_MODE_FILE) -> str | None:
-    """The kernel's transparent huge page mode (the bracketed word of ``path``: always, madvise or never), or
-    None where the file is missing or unreadable."""
+    """The kernel's transparent huge page mode (the bracketed word of ``path``: always, madvise or
+    never), or None where the file is missing or unreadable."""
     try:
         with open(path) as f:
             text = f.read()
     except OSError:
         return None
     start, stop = text.find("["), text.find("]")
-    return text[start + 1:stop] if 0 <= start < stop else None
+    return text[start + 1 : stop] if 0 <= start < stop else None
 
 
 def _glibc_version(libc: tuple[str, str]) -> tuple[int, ...] | None:
@@ -79,15 +81,21 @@ def _glibc_version(libc: tuple[str, str]) -> tuple[int, ...] | None:
 
 
 def _tunable_value(environ: Mapping[str, str]) -> str | None:
-    """The value ``GLIBC_TUNABLES`` gives ``glibc.malloc.hugetlb`` (the last one, as glibc reads them), or None."""
-    values = [part.split("=", 1)[1] for part in environ.get(TUNABLES, "").split(":")
-              if part.startswith(HUGE_PAGE_TUNABLE + "=")]
+    """The value ``GLIBC_TUNABLES`` gives ``glibc.malloc.hugetlb`` (the last one, as glibc reads
+    them), or None."""
+    values = [
+        part.split("=", 1)[1]
+        for part in environ.get(TUNABLES, "").split(":")
+        if part.startswith(HUGE_PAGE_TUNABLE + "=")
+    ]
     return values[-1] if values else None
 
 
-def huge_page_decision(environ: Mapping[str, str], libc: tuple[str, str], mode: str | None) -> tuple[bool, str]:
-    """(whether to re-execute with ``glibc.malloc.hugetlb=1``, why, in words), for the process environment
-    ``environ``, ``platform.libc_ver()``'s answer ``libc`` and the THP mode ``mode``."""
+def huge_page_decision(
+    environ: Mapping[str, str], libc: tuple[str, str], mode: str | None
+) -> tuple[bool, str]:
+    """(whether to re-execute with ``glibc.malloc.hugetlb=1``, why, in words), for the process
+    environment ``environ``, ``platform.libc_ver()``'s answer ``libc`` and the THP mode ``mode``."""
     if environ.get(OPT_OUT, "") == "0":
         return False, f"off ({OPT_OUT}=0)"
     if _tunable_value(environ) is not None:
@@ -103,25 +111,29 @@ def huge_page_decision(environ: Mapping[str, str], libc: tuple[str, str], mode: 
 
 
 def huge_page_environment(environ: Mapping[str, str]) -> dict[str, str]:
-    """``environ`` with ``glibc.malloc.hugetlb=1`` appended to ``GLIBC_TUNABLES`` (colon-separated)."""
+    """``environ`` with ``glibc.malloc.hugetlb=1`` appended to ``GLIBC_TUNABLES``
+    (colon-separated)."""
     tunables = [part for part in environ.get(TUNABLES, "").split(":") if part]
     return {**environ, TUNABLES: ":".join(tunables + [HUGE_PAGE_SETTING])}
 
 
 def huge_pages_status() -> str:
-    """Whether malloc gets huge pages, in words (benchmarks print it): this process's state where its
-    ``GLIBC_TUNABLES`` sets the tunable, else what ``reexec_with_huge_pages`` does for a command started now."""
+    """Whether malloc gets huge pages, in words (benchmarks print it): this process's state where
+    its ``GLIBC_TUNABLES`` sets the tunable, else what ``reexec_with_huge_pages`` does for a command
+    started now."""
     environ = os.environ
     value = _tunable_value(environ)
     if value is not None:
         state = "off" if value == "0" else "on"
-        return f"{state} ({TUNABLES}={environ[TUNABLES]}, transparent huge pages: {thp_mode() or 'unknown'})"
+        pages = thp_mode() or "unknown"
+        return f"{state} ({TUNABLES}={environ[TUNABLES]}, transparent huge pages: {pages})"
     return huge_page_decision(environ, platform.libc_ver(), thp_mode())[1]
 
 
 def _started_as(entry: str) -> bool:
-    """Whether the interpreter's own command line runs ``entry``: ``-m entry`` for a module name, the same file
-    for a path ending in .py (not, say, runpy inside another program, which an exec would replace)."""
+    """Whether the interpreter's own command line runs ``entry``: ``-m entry`` for a module name,
+    the same file for a path ending in .py (not, say, runpy inside another program, which an exec
+    would replace)."""
     argv = sys.orig_argv
     if entry.endswith(".py"):
         return any(os.path.isfile(arg) and os.path.samefile(arg, entry) for arg in argv[1:])
@@ -129,9 +141,10 @@ def _started_as(entry: str) -> bool:
 
 
 def reexec_with_huge_pages(entry: str) -> None:
-    """Re-executes this process with ``glibc.malloc.hugetlb=1`` where that helps (module docstring). ``entry`` is
-    the caller's module name (``python -m``) or script path: a process whose command line does not run it is
-    left alone. Returns where nothing is re-executed or the exec fails (the process then goes on as it is)."""
+    """Re-executes this process with ``glibc.malloc.hugetlb=1`` where that helps (module docstring).
+    ``entry`` is the caller's module name (``python -m``) or script path: a process whose command
+    line does not run it is left alone. Returns where nothing is re-executed or the exec fails (the
+    process then goes on as it is)."""
     if sys.platform != "linux" or not _started_as(entry):
         return
     wanted, _ = huge_page_decision(os.environ, platform.libc_ver(), thp_mode())

@@ -10,7 +10,11 @@ def tiny_tokenizer(tmp_path_factory):
     from qmoe_jax.data.tokenizer import Tokenizer, train_sentencepiece
 
     prefix = os.path.join(tmp_path_factory.mktemp("spm"), "tiny")
-    return Tokenizer(train_sentencepiece(synthetic_sentences(2000), prefix, vocab_size=64, seed_sentencepiece_size=1000))
+    return Tokenizer(
+        train_sentencepiece(
+            synthetic_sentences(2000), prefix, vocab_size=64, seed_sentencepiece_size=1000
+        )
+    )
 
 
 @pytest.fixture(scope="session")
@@ -23,7 +27,8 @@ def dictionary():
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory, tiny_tokenizer):
-    """(checkpoint, calibration text, tokenizer) of the tiny Switch model of ``switch_fixtures.TINY``."""
+    """(checkpoint, calibration text, tokenizer) of the tiny Switch model of
+    ``switch_fixtures.TINY``."""
     from helpers.switch_fixtures import write_calibration_text, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
@@ -34,7 +39,8 @@ def tiny_setup(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="module")
 def compressed_tiny(tmp_path_factory, tiny_tokenizer):
-    """(T5X checkpoint, compressed directory, tokenizer) of the tiny Switch model, compressed with GPTQ."""
+    """(T5X checkpoint, compressed directory, tokenizer) of the tiny Switch model, compressed with
+    GPTQ."""
     from helpers.switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
 
     from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
@@ -42,8 +48,15 @@ def compressed_tiny(tmp_path_factory, tiny_tokenizer):
     root = tmp_path_factory.mktemp("inference")
     checkpoint = write_tiny_checkpoint(root / "t5x")
     text = write_calibration_text(root / "calibration.txt")
-    options = CompressionOptions(checkpoint=checkpoint, tokenizer=tiny_tokenizer.model_path,
-                                 calibration=f"text:{text}", num_samples=24, inputs_length=32, batch_size=8,
-                                 group_size=2, output_dir=str(root / "compressed"))
+    options = CompressionOptions(
+        checkpoint=checkpoint,
+        tokenizer=tiny_tokenizer.model_path,
+        calibration=f"text:{text}",
+        num_samples=24,
+        inputs_length=32,
+        batch_size=8,
+        group_size=2,
+        output_dir=str(root / "compressed"),
+    )
     compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
     return checkpoint, str(root / "compressed"), tiny_tokenizer

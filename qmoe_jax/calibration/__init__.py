@@ -1,4 +1,5 @@
-"""The calibration pass: token buffer, sublayers, expert-group compression, the layer-by-layer run."""
+"""The calibration pass: token buffer, sublayers, expert-group compression, the layer-by-layer
+run."""
 
 from qmoe_jax.calibration.buffer import TokenBuffer as TokenBuffer
 from qmoe_jax.calibration.data import calibration_data as calibration_data

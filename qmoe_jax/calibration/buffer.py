@@ -44,7 +44,9 @@ class TokenBuffer:
         """
         lengths = self.lengths[first:last]
         if (lengths > length).any():
-            raise ValueError(f"a sample has {lengths.max()} tokens, more than the batch length {length}")
+            raise ValueError(
+                f"a sample has {lengths.max()} tokens, more than the batch length {length}"
+            )
         positions = np.arange(length)[None, :]
         valid = positions < lengths[:, None]
         rows = np.where(valid, self.offsets[first:last, None] + positions, -1)

@@ -38,10 +38,17 @@ import numpy as np
 from qmoe_jax.calibration.sublayers import expert_hidden, expert_outputs
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import input_kernel_names, kernel_names
-from qmoe_jax.quant import GPTQConfig, GridConfig, dequantize_codes, hessian, quantize_expert_group
-from qmoe_jax.quant import cap_tokens, rtn, token_cap
+from qmoe_jax.quant import (
+    GPTQConfig,
+    GridConfig,
+    cap_tokens,
+    dequantize_codes,
+    hessian,
+    quantize_expert_group,
+    rtn,
+    token_cap,
+)
 from qmoe_jax.quant.group import default_sequential, group_devices
-
 
 # Peak memory of one vmapped GPTQ call, per expert, in float32 arrays: about this
 # many [cols, cols] Hessian-sized ones (the Hessian, its damped copy, the Cholesky
@@ -58,12 +65,20 @@ SEQUENTIAL_HESSIAN_COPIES = 4
 SEQUENTIAL_WEIGHT_COPIES = 3
 
 
-def gptq_call_bytes(rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1) -> int:
-    """Estimated peak bytes of one GPTQ call over ``experts`` W[rows, cols], its inputs included: a vmapped call
-    holds every expert's working copies; a ``sequential`` one every expert's Hessian, weights and uint8 codes,
-    and one expert's working copies on each of its ``devices`` (benchmarks/gptq_memory.py measures both)."""
+def gptq_call_bytes(
+    rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1
+) -> int:
+    """Estimated peak bytes of one GPTQ call over ``experts`` W[rows, cols], its inputs included: a
+    vmapped call holds every expert's working copies; a ``sequential`` one every expert's Hessian,
+    weights and uint8 codes, and one expert's working copies on each of its ``devices``
+    (benchmarks/gptq_memory.py measures both)."""
     if sequential:
-        working = devices * 4 * cols * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
+        working = (
+            devices
+            * 4
+            * cols
+            * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
+        )
         return working + experts * (4 * cols * (cols + rows) + rows * cols)
     return experts * 4 * cols * (HESSIAN_COPIES * cols + WEIGHT_COPIES * rows)
 
@@ -93,10 +108,15 @@ class ExpertCompressionConfig:
     token_cap_factor: float = 4.0
     gptq_memory: int = 256 << 20
 
-    def experts_per_call(self, rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1) -> int:
-        """Experts per GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory`` by ``gptq_call_bytes``,
-        and the calls as even as possible (fewer distinct shapes to compile)."""
-        fixed = gptq_call_bytes(rows, cols, 0, sequential, devices)  # the estimate is fixed + experts × each
+    def experts_per_call(
+        self, rows: int, cols: int, experts: int, sequential: bool = False, devices: int = 1
+    ) -> int:
+        """Experts per GPTQ call for ``experts`` W[rows, cols]: within ``gptq_memory`` by
+        ``gptq_call_bytes``, and the calls as even as possible (fewer distinct shapes to compile).
+        """
+        fixed = gptq_call_bytes(
+            rows, cols, 0, sequential, devices
+        )  # the estimate is fixed + experts × each
         each = gptq_call_bytes(rows, cols, 1, sequential, devices) - fixed
         most = max(1, min(self.group_size, (self.gptq_memory - fixed) // each))
         calls = max(1, -(-experts // most))
@@ -125,17 +145,18 @@ def _bucket(n: int) -> int:
     return max(8, 1 << max(0, n - 1).bit_length())
 
 
-# Fewest token rows one expert's forward runs on (where the buffer has them): XLA:CPU's matmul gave every row
-# the same bits whatever the number of rows from 64 on, and not below (measured on 8-4096 rows on a Zen 3 VM),
-# so an expert's outputs stay those of the padded buffer; tests/calibration/test_calibration_experts.py checks them to
-# float rounding, which is all that correctness needs (every run computes them the same way).
+# Fewest token rows one expert's forward runs on (where the buffer has them): XLA:CPU's matmul gave
+# every row the same bits whatever the number of rows from 64 on, and not below (measured on 8-4096
+# rows on a Zen 3 VM), so an expert's outputs stay those of the padded buffer;
+# tests/calibration/test_calibration_experts.py checks them to float rounding, which is all that
+# correctness needs (every run computes them the same way).
 FORWARD_MIN_TOKENS = 64
 
 
 def token_width(mask: np.ndarray, floor: int = 8) -> int:
-    """Token columns of ``mask[..., n]`` (one expert's row, or several) that the work needs: up to the last True,
-    rounded up to one of 8 steps per power of two (at most 12.5% over, and few distinct jit shapes), at least
-    ``floor``, at most n. Columns past it are all False."""
+    """Token columns of ``mask[..., n]`` (one expert's row, or several) that the work needs: up to
+    the last True, rounded up to one of 8 steps per power of two (at most 12.5% over, and few
+    distinct jit shapes), at least ``floor``, at most n. Columns past it are all False."""
     kept = np.asarray(mask).reshape(-1, np.shape(mask)[-1]).any(axis=0)
     last = int(np.flatnonzero(kept)[-1]) + 1 if kept.any() else 1
     step = 1 << max(0, last.bit_length() - 4)
@@ -148,20 +169,26 @@ def _input_hessian(tokens: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _hidden_hessian(config: SwitchConfig, input_kernels, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-    """The output kernel's Hessian from one expert's MLP inputs: its hidden activations through ``input_kernels``."""
+def _hidden_hessian(
+    config: SwitchConfig, input_kernels, tokens: jax.Array, mask: jax.Array
+) -> jax.Array:
+    """The output kernel's Hessian from one expert's MLP inputs: its hidden activations through
+    ``input_kernels``."""
     return hessian(expert_hidden(config, input_kernels, tokens), mask)
 
 
 @functools.partial(jax.jit, static_argnames="grid")
 def _dequantized_t5x(codes: jax.Array, grid_params: jax.Array, *, grid: GridConfig) -> jax.Array:
-    return jnp.swapaxes(jax.vmap(lambda c, p: dequantize_codes(c, p, grid))(codes, grid_params), 1, 2)
+    return jnp.swapaxes(
+        jax.vmap(lambda c, p: dequantize_codes(c, p, grid))(codes, grid_params), 1, 2
+    )
 
 
 def dequantized_t5x_kernel(kernel: QuantizedKernel, grid: GridConfig) -> jax.Array:
-    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back). Jitted: the eager vmap
-    dispatched each op apart, 3-9 ms per expert against 0.4-4.8 ms (switch-mini and switch-base shapes), with
-    the same values (selects, or a subtraction then a product)."""
+    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back). Jitted: the
+      eager vmap
+    dispatched each op apart, 3-9 ms per expert against 0.4-4.8 ms (switch-mini and switch-base
+    shapes), with the same values (selects, or a subtraction then a product)."""
     return _dequantized_t5x(jnp.asarray(kernel.codes), jnp.asarray(kernel.grid_params), grid=grid)
 
 
@@ -180,7 +207,9 @@ class GroupTokens:
     hessian_mask: np.ndarray
 
 
-def gather_group(order: np.ndarray, starts: np.ndarray, experts: range, premask: np.ndarray, cap: int) -> GroupTokens:
+def gather_group(
+    order: np.ndarray, starts: np.ndarray, experts: range, premask: np.ndarray, cap: int
+) -> GroupTokens:
     """Buffer rows of the kept tokens of ``experts``, from the expert-sorted token ``order``."""
     counts = np.asarray([starts[e + 1] - starts[e] for e in experts])
     width = _bucket(int(counts.max(initial=0)))
@@ -197,8 +226,14 @@ def gather_group(order: np.ndarray, starts: np.ndarray, experts: range, premask:
 _rtn_experts = jax.jit(jax.vmap(rtn, in_axes=(0, None)), static_argnums=1)
 
 
-def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, kernels: dict[str, np.ndarray],
-                     inputs: np.ndarray, tokens: GroupTokens, mesh=None) -> tuple[dict[str, QuantizedKernel], np.ndarray, dict]:
+def quantize_kernels(
+    config: SwitchConfig,
+    settings: ExpertCompressionConfig,
+    kernels: dict[str, np.ndarray],
+    inputs: np.ndarray,
+    tokens: GroupTokens,
+    mesh=None,
+) -> tuple[dict[str, QuantizedKernel], np.ndarray, dict]:
     """GPTQ (or RTN) of one group's kernels.
 
     Args:
@@ -236,11 +271,13 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         return _input_hessian(*expert_tokens(e))
 
     def output_hessian(e: int) -> jax.Array:
-        """wo's Hessian of expert e: its activations through the original input kernels (QMoE), or through the
-        quantized ones (true-sequential)."""
+        """wo's Hessian of expert e: its activations through the original input kernels (QMoE), or
+        through the quantized ones (true-sequential)."""
         if settings.true_sequential:
-            in_kernels = {n: dequantized_t5x_kernel(quantized[n].part(slice(e, e + 1)), settings.grid)[0]
-                          for n in names}
+            in_kernels = {
+                n: dequantized_t5x_kernel(quantized[n].part(slice(e, e + 1)), settings.grid)[0]
+                for n in names
+            }
         else:
             in_kernels = {n: jnp.asarray(kernels[n][e], jnp.float32) for n in names}
         return _hidden_hessian(config, in_kernels, *expert_tokens(e))
@@ -251,7 +288,9 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
         experts = len(tokens.rows)
         rows = kernels[name].shape[2]  # T5X kernels are [g, in, out]: W has out rows
         devices = group_devices(mesh)
-        step = settings.experts_per_call(rows, cols, experts, default_sequential(devices), len(devices))
+        step = settings.experts_per_call(
+            rows, cols, experts, default_sequential(devices), len(devices)
+        )
         codes, params = [], []
         for start in range(0, experts, step):
             part = slice(start, start + step)
@@ -260,8 +299,14 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
             hessians.block_until_ready()
             seconds["hessian"] += time.perf_counter() - started
             started = time.perf_counter()
-            result = quantize_expert_group(weights_of(name, part), hessians, jnp.asarray(counts[part]), settings.grid,
-                                           settings.gptq, mesh=mesh)
+            result = quantize_expert_group(
+                weights_of(name, part),
+                hessians,
+                jnp.asarray(counts[part]),
+                settings.grid,
+                settings.gptq,
+                mesh=mesh,
+            )
             del hessians
             codes.append(np.asarray(result.codes))
             params.append(np.asarray(result.grid_params))
@@ -275,20 +320,36 @@ def quantize_kernels(config: SwitchConfig, settings: ExpertCompressionConfig, ke
     return quantized, fallback, seconds
 
 
-def _expert_outputs(config: SwitchConfig, in_kernels, out_kernel, inputs: np.ndarray, gates: np.ndarray,
-                    valid: np.ndarray) -> np.ndarray:
-    """Gated outputs ``[n, d]`` of one expert for its tokens ``inputs [n, d]``: computed on its own width
-    (``token_width`` of ``valid``, at least FORWARD_MIN_TOKENS), zero past it."""
+def _expert_outputs(
+    config: SwitchConfig,
+    in_kernels,
+    out_kernel,
+    inputs: np.ndarray,
+    gates: np.ndarray,
+    valid: np.ndarray,
+) -> np.ndarray:
+    """Gated outputs ``[n, d]`` of one expert for its tokens ``inputs [n, d]``: computed on its own
+    width (``token_width`` of ``valid``, at least FORWARD_MIN_TOKENS), zero past it."""
     width = token_width(valid, floor=FORWARD_MIN_TOKENS)
     outputs = np.zeros(inputs.shape, np.float32)
-    outputs[:width] = np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs[:width]),
-                                                jnp.asarray(gates[:width])))
+    outputs[:width] = np.asarray(
+        expert_outputs(
+            config, in_kernels, out_kernel, jnp.asarray(inputs[:width]), jnp.asarray(gates[:width])
+        )
+    )
     return outputs
 
 
-def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, QuantizedKernel],
-                  inputs: np.ndarray, gates: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Gated outputs ``[g, n, d]`` of the group's tokens (``valid [g, n]``) through the quantized experts."""
+def group_outputs(
+    config: SwitchConfig,
+    grid: GridConfig,
+    quantized: dict[str, QuantizedKernel],
+    inputs: np.ndarray,
+    gates: np.ndarray,
+    valid: np.ndarray,
+) -> np.ndarray:
+    """Gated outputs ``[g, n, d]`` of the group's tokens (``valid [g, n]``) through the quantized
+    experts."""
     names = input_kernel_names(config)
     outputs = np.empty(inputs.shape, np.float32)
     for e in range(inputs.shape[0]):  # one expert's dequantized kernels at a time
@@ -299,27 +360,39 @@ def group_outputs(config: SwitchConfig, grid: GridConfig, quantized: dict[str, Q
     return outputs
 
 
-def original_expert_outputs(config: SwitchConfig, kernels: dict[str, np.ndarray], expert: int, inputs: np.ndarray,
-                            gates: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """Gated outputs ``[n, d]`` of one expert of the group (tokens ``valid [n]``) through its original (T5X float)
-    kernels."""
-    in_kernels = {n: jnp.asarray(kernels[n][expert], jnp.float32) for n in input_kernel_names(config)}
+def original_expert_outputs(
+    config: SwitchConfig,
+    kernels: dict[str, np.ndarray],
+    expert: int,
+    inputs: np.ndarray,
+    gates: np.ndarray,
+    valid: np.ndarray,
+) -> np.ndarray:
+    """Gated outputs ``[n, d]`` of one expert of the group (tokens ``valid [n]``) through its
+    original (T5X float) kernels."""
+    in_kernels = {
+        n: jnp.asarray(kernels[n][expert], jnp.float32) for n in input_kernel_names(config)
+    }
     out_kernel = jnp.asarray(kernels["wo"][expert], jnp.float32)
     return _expert_outputs(config, in_kernels, out_kernel, inputs, gates, valid)
 
 
-def sort_by_expert(expert: np.ndarray, kept: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """(order, starts): kept token rows grouped by expert in buffer order; expert e owns order[starts[e]:starts[e+1]]."""
+def sort_by_expert(
+    expert: np.ndarray, kept: np.ndarray, num_experts: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(order, starts): kept token rows grouped by expert in buffer order; expert e owns
+    order[starts[e]:starts[e+1]]."""
     kept_rows = np.flatnonzero(kept)
     order = kept_rows[np.argsort(expert[kept_rows], kind="stable")]
     counts = np.bincount(expert[kept_rows], minlength=num_experts)
     return order, np.concatenate([[0], np.cumsum(counts)])
 
 
-def hessian_token_cap(premask: np.ndarray, order: np.ndarray, starts: np.ndarray, factor: float) -> int:
+def hessian_token_cap(
+    premask: np.ndarray, order: np.ndarray, starts: np.ndarray, factor: float
+) -> int:
     """The cap on Hessian tokens per expert: ``factor`` × the mean count of premasked tokens."""
     # Counts from a running sum: experts without tokens (anywhere, the last ones too) count 0.
     running = np.concatenate([[0], np.cumsum(premask[order], dtype=np.int64)])
     counts = running[starts[1:]] - running[starts[:-1]]
     return int(token_cap(jnp.asarray(counts), factor))
-

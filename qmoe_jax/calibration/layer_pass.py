@@ -24,9 +24,19 @@ from tqdm import tqdm
 from qmoe_jax.calibration.buffer import TokenBuffer
 from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig, QuantizedKernel
 from qmoe_jax.calibration.sparse_layer import LayerTokens, compress_layer, replay_layer
-from qmoe_jax.calibration.sublayers import decoder_attend, dense_mlp, encoder_attend, final_norm, route
+from qmoe_jax.calibration.sublayers import (
+    decoder_attend,
+    dense_mlp,
+    encoder_attend,
+    final_norm,
+    route,
+)
 from qmoe_jax.checkpoints import T5XCheckpoint
-from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint, CompressedCheckpointError, CompressedCheckpointWriter
+from qmoe_jax.checkpoints.format_v1 import (
+    CompressedCheckpoint,
+    CompressedCheckpointError,
+    CompressedCheckpointWriter,
+)
 from qmoe_jax.codec import DEFAULT_P0, Dictionary, adaptive_dictionary, build_dictionary
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import kernel_names
@@ -85,9 +95,16 @@ def _subtree(tree: dict, path: str) -> dict:
 class CalibrationPass:
     """Runs the pass over a T5X checkpoint into a compressed-checkpoint writer."""
 
-    def __init__(self, config: SwitchConfig, checkpoint: T5XCheckpoint, data: CalibrationData,
-                 settings: CalibrationConfig, writer: CompressedCheckpointWriter,
-                 log: Callable[[str], None] = print, progress: bool = True):
+    def __init__(
+        self,
+        config: SwitchConfig,
+        checkpoint: T5XCheckpoint,
+        data: CalibrationData,
+        settings: CalibrationConfig,
+        writer: CompressedCheckpointWriter,
+        log: Callable[[str], None] = print,
+        progress: bool = True,
+    ):
         self.config = config
         self.checkpoint = checkpoint
         self.data = data
@@ -96,9 +113,10 @@ class CalibrationPass:
         self.log = log
         self.progress = progress
         self.dtype = config.jnp_dtype
-        # stages outside the sparse layers' own (their read, hessian, gptq, encode, forward: sparse_layer.py):
-        # dense = the calibration forward of attention and dense MLPs, read = the non-expert weights,
-        # write = the dense parameters and each finished layer, replay = finished layers re-run on resume
+        # stages outside the sparse layers' own (their read, hessian, gptq, encode, forward:
+        # sparse_layer.py): dense = the calibration forward of attention and dense MLPs, read = the
+        # non-expert weights, write = the dense parameters and each finished layer, replay =
+        # finished layers re-run on resume
         self.seconds: dict[str, float] = {"dense": 0.0, "replay": 0.0, "read": 0.0, "write": 0.0}
 
     def _timed(self, stage: str, fn: Callable, *args):
@@ -111,7 +129,11 @@ class CalibrationPass:
     # --- weights -------------------------------------------------------------------------
     def _dense_layer_params(self, stack: str, index: int) -> dict:
         prefix = f"{stack}/layers_{index}"
-        keys = [k for k in self.checkpoint.keys() if k.startswith(prefix + "/") and "/mlp/expert/" not in k]
+        keys = [
+            k
+            for k in self.checkpoint.keys()
+            if k.startswith(prefix + "/") and "/mlp/expert/" not in k
+        ]
         return _to_compute(_subtree(self.checkpoint.read_params(keys), prefix), self.dtype)
 
     def _expert_reader(self, stack: str, index: int):
@@ -119,20 +141,32 @@ class CalibrationPass:
 
         def read(experts: range) -> dict[str, np.ndarray]:
             return {
-                name: self.checkpoint.read_expert(f"{prefix}/{name}/kernel", slice(experts.start, experts.stop))
+                name: self.checkpoint.read_expert(
+                    f"{prefix}/{name}/kernel", slice(experts.start, experts.stop)
+                )
                 for name in kernel_names(self.config)
             }
 
         return read
 
     # --- one layer -----------------------------------------------------------------------
-    def _run_layer(self, stack: str, index: int, buffer: TokenBuffer, attend, premask_flat: np.ndarray,
-                   length: int) -> None:
+    def _run_layer(
+        self,
+        stack: str,
+        index: int,
+        buffer: TokenBuffer,
+        attend,
+        premask_flat: np.ndarray,
+        length: int,
+    ) -> None:
         cfg = self.config
         sparse = cfg.is_sparse_layer(index, decoder=stack == "decoder")
         params = self._timed("read", self._dense_layer_params, stack, index)
         mlp_inputs = np.zeros_like(buffer.states) if sparse else None
-        routing = {k: np.zeros(buffer.states.shape[0], t) for k, t in (("expert", np.int32), ("gate", np.float32), ("kept", bool))}
+        routing = {
+            k: np.zeros(buffer.states.shape[0], t)
+            for k, t in (("expert", np.int32), ("gate", np.float32), ("kept", bool))
+        }
         started = time.perf_counter()
         for first, last in buffer.batches(self.settings.batch_size):
             rows, valid = buffer.padded_index(first, last, length)
@@ -150,7 +184,9 @@ class CalibrationPass:
         self.seconds["dense"] += time.perf_counter() - started
         if not sparse:
             return
-        tokens = LayerTokens(mlp_inputs, routing["expert"], routing["gate"], routing["kept"], premask_flat)
+        tokens = LayerTokens(
+            mlp_inputs, routing["expert"], routing["gate"], routing["kept"], premask_flat
+        )
         name = f"{stack}.layers_{index}.mlp"
         started = time.perf_counter()
         stored = self._stored_layer(name) if name in self.writer.finished_layers() else None
@@ -159,22 +195,35 @@ class CalibrationPass:
             self.seconds["replay"] += time.perf_counter() - started
             self.log(f"{name}: finished earlier, replayed from disk")
         else:
-            groups = tqdm(total=cfg.num_experts, desc=f"  {name} experts", unit="expert", leave=False,
-                          disable=not self.progress)
-            result = compress_layer(cfg, self.settings.experts, tokens, self._expert_reader(stack, index),
-                                    self._dictionary_for, on_group=groups.update)
+            groups = tqdm(
+                total=cfg.num_experts,
+                desc=f"  {name} experts",
+                unit="expert",
+                leave=False,
+                disable=not self.progress,
+            )
+            result = compress_layer(
+                cfg,
+                self.settings.experts,
+                tokens,
+                self._expert_reader(stack, index),
+                self._dictionary_for,
+                on_group=groups.update,
+            )
             groups.close()
             self._timed("write", self.writer.write_layer, name, result.arrays, result.stats)
             outputs = result.outputs
         buffer.states += outputs.astype(buffer.states.dtype)
 
     def _stored_layer(self, name: str) -> tuple[dict, Dictionary | None] | None:
-        """(arrays, dictionary) of a finished layer, read back and verified; None when they fail the checks,
-        and then the layer is unrecorded and compressed again like an unfinished one."""
+        """(arrays, dictionary) of a finished layer, read back and verified; None when they fail the
+        checks, and then the layer is unrecorded and compressed again like an unfinished one."""
         stored = CompressedCheckpoint(self.writer.directory)
         try:
             arrays, stats = stored.layer(name)
-            return arrays, stored.dictionary(stats["dictionary"]) if stats["dictionary"] is not None else None
+            return arrays, stored.dictionary(stats["dictionary"]) if stats[
+                "dictionary"
+            ] is not None else None
         except CompressedCheckpointError as damage:
             self.log(f"{name}: {damage.problem}; compressing it again")
             self.writer.discard_layer(name)
@@ -192,19 +241,32 @@ class CalibrationPass:
     def run(self) -> dict:
         cfg, data = self.config, self.data
         if not self.writer.has_dense():
-            self._timed("write", self.writer.write_dense, self._timed("read", self.checkpoint.read_params))
-        embedding = np.asarray(self._timed("read", self.checkpoint.read, "token_embedder/embedding"), np.float32)
+            self._timed(
+                "write", self.writer.write_dense, self._timed("read", self.checkpoint.read_params)
+            )
+        embedding = np.asarray(
+            self._timed("read", self.checkpoint.read, "token_embedder/embedding"), np.float32
+        )
         encoder_lengths = (data.encoder_input_tokens > 0).sum(axis=1)
         decoder_lengths = (data.decoder_target_tokens > 0).sum(axis=1)
         enc_len, dec_len = data.encoder_input_tokens.shape[1], data.decoder_target_tokens.shape[1]
-        relpos = {s: _to_compute(_subtree(self._timed("read", self.checkpoint.read_params, [f"{s}/relpos_bias"]),
-                                          f"{s}/relpos_bias"), self.dtype)
-                  for s in ("encoder", "decoder")}
+        relpos = {
+            s: _to_compute(
+                _subtree(
+                    self._timed("read", self.checkpoint.read_params, [f"{s}/relpos_bias"]),
+                    f"{s}/relpos_bias",
+                ),
+                self.dtype,
+            )
+            for s in ("encoder", "decoder")
+        }
 
         encoder = TokenBuffer(encoder_lengths, cfg.d_model)
         encoder_valid = data.encoder_input_tokens > 0
         encoder.states[:] = embedding[data.encoder_input_tokens[encoder_valid]]
-        layers = [("encoder", i) for i in range(cfg.num_encoder_layers)] + [("decoder", i) for i in range(cfg.num_decoder_layers)]
+        layers = [("encoder", i) for i in range(cfg.num_encoder_layers)] + [
+            ("decoder", i) for i in range(cfg.num_decoder_layers)
+        ]
         bar = tqdm(layers, desc="layers", unit="layer", disable=not self.progress)
 
         def encoder_attend_batch(params, x, first, last):
@@ -217,13 +279,21 @@ class CalibrationPass:
             self._run_layer(stack, index, encoder, encoder_attend_batch, premask, enc_len)
             bar.update()
 
-        norm = _to_compute(self._timed("read", self.checkpoint.read_params, ["encoder/encoder_norm"])["encoder"]["encoder_norm"],
-                           self.dtype)
+        norm = _to_compute(
+            self._timed("read", self.checkpoint.read_params, ["encoder/encoder_norm"])["encoder"][
+                "encoder_norm"
+            ],
+            self.dtype,
+        )
         encoded = TokenBuffer(encoder_lengths, cfg.d_model)
         for first, last in encoder.batches(self.settings.batch_size):
             rows, valid = encoder.padded_index(first, last, enc_len)
-            x = final_norm(cfg, norm, jnp.asarray(encoder.gather(rows, valid), self.dtype),
-                           jnp.asarray(valid[..., None], self.dtype))
+            x = final_norm(
+                cfg,
+                norm,
+                jnp.asarray(encoder.gather(rows, valid), self.dtype),
+                jnp.asarray(valid[..., None], self.dtype),
+            )
             encoded.scatter(rows, valid, np.asarray(x, np.float32))
         del encoder
 
@@ -235,10 +305,16 @@ class CalibrationPass:
         def decoder_attend_batch(params, x, first, last):
             rows, valid = encoded.padded_index(first, last, enc_len)
             memory = jnp.asarray(encoded.gather(rows, valid), self.dtype)
-            return decoder_attend(cfg, params, relpos["decoder"], x, memory,
-                                  jnp.asarray(data.encoder_input_tokens[first:last]),
-                                  jnp.asarray(data.decoder_input_tokens[first:last]),
-                                  jnp.asarray(data.decoder_target_tokens[first:last]))
+            return decoder_attend(
+                cfg,
+                params,
+                relpos["decoder"],
+                x,
+                memory,
+                jnp.asarray(data.encoder_input_tokens[first:last]),
+                jnp.asarray(data.decoder_input_tokens[first:last]),
+                jnp.asarray(data.decoder_target_tokens[first:last]),
+            )
 
         premask = data.decoder_premask[decoder_valid]
         for stack, index in layers[cfg.num_encoder_layers :]:

@@ -16,9 +16,22 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qmoe_jax.calibration.expert_groups import (ExpertCompressionConfig, QuantizedKernel, gather_group, group_outputs,
-                                          hessian_token_cap, original_expert_outputs, quantize_kernels, sort_by_expert)
-from qmoe_jax.checkpoints.layer_arrays import compressed_stack, kbit_arrays, kernel_cols, ternary_arrays
+from qmoe_jax.calibration.expert_groups import (
+    ExpertCompressionConfig,
+    QuantizedKernel,
+    gather_group,
+    group_outputs,
+    hessian_token_cap,
+    original_expert_outputs,
+    quantize_kernels,
+    sort_by_expert,
+)
+from qmoe_jax.checkpoints.layer_arrays import (
+    compressed_stack,
+    kbit_arrays,
+    kernel_cols,
+    ternary_arrays,
+)
 from qmoe_jax.codec import Dictionary, decode_codes, encode_experts
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import kernel_names
@@ -59,7 +72,9 @@ class OutputError:
     def __init__(self):
         self.sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
 
-    def add(self, quantized: np.ndarray, original: np.ndarray, valid: np.ndarray, premask: np.ndarray) -> None:
+    def add(
+        self, quantized: np.ndarray, original: np.ndarray, valid: np.ndarray, premask: np.ndarray
+    ) -> None:
         error = np.square(quantized - original, dtype=np.float64).sum(-1)
         norm = np.square(original, dtype=np.float64).sum(-1)
         for side in (True, False):
@@ -68,13 +83,20 @@ class OutputError:
             self.sums[side][1] += float(norm[chosen].sum())
 
     def relative(self) -> dict:
-        """``{"hessian_positions": …, "premasked_positions": …}``; None where there were no such tokens."""
+        """``{"hessian_positions": …, "premasked_positions": …}``; None where there were no such
+        tokens."""
         ratio = lambda e, n: e / n if n > 0 else None  # noqa: E731
-        return {"hessian_positions": ratio(*self.sums[True]), "premasked_positions": ratio(*self.sums[False])}
+        return {
+            "hessian_positions": ratio(*self.sums[True]),
+            "premasked_positions": ratio(*self.sums[False]),
+        }
 
 
 def _groups(num_experts: int, group_size: int) -> list[range]:
-    return [range(start, min(start + group_size, num_experts)) for start in range(0, num_experts, group_size)]
+    return [
+        range(start, min(start + group_size, num_experts))
+        for start in range(0, num_experts, group_size)
+    ]
 
 
 def _kernel_stats(zeros: int, shape: tuple[int, int, int], arrays: dict, ternary: bool) -> dict:
@@ -83,13 +105,21 @@ def _kernel_stats(zeros: int, shape: tuple[int, int, int], arrays: dict, ternary
     if ternary:
         n_codes = int(arrays["row_offsets"][:, -1].astype(np.int64).sum())
         stats["codewords"] = n_codes
-        stats["bits_per_weight"] = (16.0 * n_codes + 64.0 * rows * experts) / (rows * cols * experts)
+        stats["bits_per_weight"] = (16.0 * n_codes + 64.0 * rows * experts) / (
+            rows * cols * experts
+        )
     return stats
 
 
-def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, tokens: LayerTokens,
-                   read_kernels: ReadKernels, dictionary_for: DictionaryFor, mesh=None,
-                   on_group: Callable[[int], None] = lambda n: None) -> LayerResult:
+def compress_layer(
+    config: SwitchConfig,
+    settings: ExpertCompressionConfig,
+    tokens: LayerTokens,
+    read_kernels: ReadKernels,
+    dictionary_for: DictionaryFor,
+    mesh=None,
+    on_group: Callable[[int], None] = lambda n: None,
+) -> LayerResult:
     """Quantizes and encodes every expert of one sparse layer and computes its outputs.
 
     Args:
@@ -115,7 +145,9 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         seconds["read"] += time.perf_counter() - started
         group = gather_group(order, starts, experts, tokens.premask, cap)
         inputs = np.where(group.valid[..., None], tokens.inputs[group.rows], 0.0).astype(np.float32)
-        quantized, group_fallback, stage_seconds = quantize_kernels(config, settings, kernels, inputs, group, mesh)
+        quantized, group_fallback, stage_seconds = quantize_kernels(
+            config, settings, kernels, inputs, group, mesh
+        )
         fallback[experts.start : experts.stop] = group_fallback
         for stage, value in stage_seconds.items():
             seconds[stage] += value
@@ -125,12 +157,16 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         for name, kernel in quantized.items():
             zeros[name] += int(np.count_nonzero(kernel.codes == 0))
             shapes[name] = (config.num_experts,) + kernel.codes.shape[1:]
-            stored[name].append(encode_experts(kernel.codes, kernel.grid_params, dictionary) if ternary else kernel)
+            stored[name].append(
+                encode_experts(kernel.codes, kernel.grid_params, dictionary) if ternary else kernel
+            )
         seconds["encode"] += time.perf_counter() - started
         started = time.perf_counter()
         values, gates = _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
         for e in range(len(experts)):  # one expert's reference outputs at a time
-            reference = original_expert_outputs(config, kernels, e, inputs[e], gates[e], group.valid[e])
+            reference = original_expert_outputs(
+                config, kernels, e, inputs[e], gates[e], group.valid[e]
+            )
             error.add(values[e], reference, group.valid[e], tokens.premask[group.rows[e]])
         seconds["forward"] += time.perf_counter() - started
         on_group(len(experts))
@@ -140,7 +176,9 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         if ternary:
             arrays[name] = ternary_arrays(stored[name])
         else:
-            arrays[name] = kbit_arrays([s.codes for s in stored[name]], [s.grid_params for s in stored[name]])
+            arrays[name] = kbit_arrays(
+                [s.codes for s in stored[name]], [s.grid_params for s in stored[name]]
+            )
         kernel_stats[name] = _kernel_stats(zeros[name], shapes[name], arrays[name], ternary)
     counts = np.diff(starts)
     stats = {
@@ -149,7 +187,11 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
         "fallback_experts": int(fallback.sum()),
         "fallback": np.flatnonzero(fallback).tolist(),
         "output_error": error.relative(),
-        "tokens_per_expert": {"min": int(counts.min()), "mean": float(counts.mean()), "max": int(counts.max())},
+        "tokens_per_expert": {
+            "min": int(counts.min()),
+            "mean": float(counts.mean()),
+            "max": int(counts.max()),
+        },
         "hessian_token_cap": cap,
         "tokens": int(tokens.expert.size),
         "dropped_tokens": int((~tokens.kept).sum()),
@@ -158,9 +200,15 @@ def compress_layer(config: SwitchConfig, settings: ExpertCompressionConfig, toke
     return LayerResult(outputs, arrays, stats)
 
 
-def replay_layer(config: SwitchConfig, settings: ExpertCompressionConfig, tokens: LayerTokens, arrays: dict,
-                 dictionary: Dictionary | None) -> np.ndarray:
-    """Outputs of a finished layer's stored experts for ``tokens`` (same computation as ``compress_layer``)."""
+def replay_layer(
+    config: SwitchConfig,
+    settings: ExpertCompressionConfig,
+    tokens: LayerTokens,
+    arrays: dict,
+    dictionary: Dictionary | None,
+) -> np.ndarray:
+    """Outputs of a finished layer's stored experts for ``tokens`` (same computation as
+    ``compress_layer``)."""
     ternary = settings.grid.kind == "ternary"
     order, starts = sort_by_expert(tokens.expert, tokens.kept, config.num_experts)
     cap = hessian_token_cap(tokens.premask, order, starts, settings.token_cap_factor)
@@ -172,17 +220,21 @@ def replay_layer(config: SwitchConfig, settings: ExpertCompressionConfig, tokens
         part = slice(experts.start, experts.stop)
         for name, stored in arrays.items():
             if ternary:
-                stack = compressed_stack(stored, kernel_cols(name, config.d_model, config.d_ff), part)
+                stack = compressed_stack(
+                    stored, kernel_cols(name, config.d_model, config.d_ff), part
+                )
                 quantized[name] = QuantizedKernel(decode_codes(stack, dictionary), stack.minmax)
             else:
-                quantized[name] = QuantizedKernel(np.asarray(stored["codes"])[part],
-                                                  np.asarray(stored["grid_params"])[part])
+                quantized[name] = QuantizedKernel(
+                    np.asarray(stored["codes"])[part], np.asarray(stored["grid_params"])[part]
+                )
         _write_outputs(config, settings, quantized, tokens, group, inputs, outputs)
     return outputs
 
 
 def _write_outputs(config, settings, quantized, tokens: LayerTokens, group, inputs, outputs):
-    """Writes the group's gated outputs into ``outputs``; returns them ``[g, n, d]`` and the gates ``[g, n]``."""
+    """Writes the group's gated outputs into ``outputs``; returns them ``[g, n, d]`` and the gates
+    ``[g, n]``."""
     gates = np.where(group.valid, tokens.gate[group.rows], 0.0).astype(np.float32)
     values = group_outputs(config, settings.grid, quantized, inputs, gates, group.valid)
     outputs[group.rows[group.valid]] = values[group.valid]

@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from qmoe_jax.models import SwitchConfig
-from qmoe_jax.models.layers import DenseMlp, RelativePositionBias, RmsNorm, attention_mask, causal_mask
+from qmoe_jax.models.layers import (
+    DenseMlp,
+    RelativePositionBias,
+    RmsNorm,
+    attention_mask,
+    causal_mask,
+)
 from qmoe_jax.models.mlp import hidden_units
 from qmoe_jax.models.moe import Router, expert_capacity, num_groups, route_top1
 from qmoe_jax.models.switch import DecoderLayer, EncoderLayer, decoder_logit_mask
@@ -28,7 +34,9 @@ def encoder_attend(config: SwitchConfig, layer_params, relpos_params, x, tokens)
     """Encoder layer before its MLP: (residual [B, L, d], MLP input [B, L, d])."""
     valid = tokens > 0
     length = tokens.shape[1]
-    bias = RelativePositionBias(config, bidirectional=True).apply({"params": relpos_params}, length, length)
+    bias = RelativePositionBias(config, bidirectional=True).apply(
+        {"params": relpos_params}, length, length
+    )
     logit_mask = valid[..., None].astype(config.jnp_dtype)
     return EncoderLayer(config, sparse=False).apply(
         {"params": layer_params}, x, attention_mask(valid, valid), bias, logit_mask, method="attend"
@@ -36,17 +44,34 @@ def encoder_attend(config: SwitchConfig, layer_params, relpos_params, x, tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def decoder_attend(config: SwitchConfig, layer_params, relpos_params, x, encoded, encoder_tokens,
-                   decoder_inputs, decoder_targets):
+def decoder_attend(
+    config: SwitchConfig,
+    layer_params,
+    relpos_params,
+    x,
+    encoded,
+    encoder_tokens,
+    decoder_inputs,
+    decoder_targets,
+):
     """Decoder layer before its MLP (teacher forcing): (residual, MLP input), each [B, L, d]."""
     length = decoder_inputs.shape[1]
     target_valid = decoder_targets > 0
     self_mask = causal_mask(length) & attention_mask(target_valid, target_valid)
     cross_mask = attention_mask(target_valid, encoder_tokens > 0)
     logit_mask = decoder_logit_mask(decoder_inputs)[..., None].astype(config.jnp_dtype)
-    bias = RelativePositionBias(config, bidirectional=False).apply({"params": relpos_params}, length, length)
+    bias = RelativePositionBias(config, bidirectional=False).apply(
+        {"params": relpos_params}, length, length
+    )
     return DecoderLayer(config, sparse=False).apply(
-        {"params": layer_params}, x, encoded, self_mask, cross_mask, bias, logit_mask, method="attend"
+        {"params": layer_params},
+        x,
+        encoded,
+        self_mask,
+        cross_mask,
+        bias,
+        logit_mask,
+        method="attend",
     )
 
 
@@ -68,16 +93,28 @@ def route(config: SwitchConfig, router_params, h):
     """
     batch, length, width = h.shape
     tokens = batch * length
-    groups = num_groups(tokens, config.group_size, config.num_experts, config.groups_multiple_of_experts)
+    groups = num_groups(
+        tokens, config.group_size, config.num_experts, config.groups_multiple_of_experts
+    )
     per_group = tokens // groups
-    capacity = expert_capacity(per_group, config.num_experts, config.eval_capacity_factor, config.min_expert_capacity)
+    capacity = expert_capacity(
+        per_group, config.num_experts, config.eval_capacity_factor, config.min_expert_capacity
+    )
     grouped = h.reshape(groups, per_group, width)
-    routing = route_top1(Router(config).apply({"params": router_params}, grouped), min(capacity, per_group))
+    routing = route_top1(
+        Router(config).apply({"params": router_params}, grouped), min(capacity, per_group)
+    )
     shape = (batch, length)
-    return routing.expert_index.reshape(shape), routing.gate.reshape(shape), routing.kept.reshape(shape)
+    return (
+        routing.expert_index.reshape(shape),
+        routing.gate.reshape(shape),
+        routing.kept.reshape(shape),
+    )
 
 
-def expert_hidden(config: SwitchConfig, input_kernels: Mapping[str, jax.Array], x: jax.Array) -> jax.Array:
+def expert_hidden(
+    config: SwitchConfig, input_kernels: Mapping[str, jax.Array], x: jax.Array
+) -> jax.Array:
     """The expert MLP's hidden activations ``[n, f]`` for inputs ``x [n, d]`` (one expert).
 
     ``input_kernels`` maps each of ``input_kernel_names(config)`` to its T5X kernel ``[d, f]``.

@@ -72,7 +72,9 @@ class T5XCheckpoint(abc.ABC):
     """
 
     format: str = ""
-    metadata_files: tuple[str, ...] = ()  # the format's own files at ``location`` (see ``fingerprint``)
+    metadata_files: tuple[
+        str, ...
+    ] = ()  # the format's own files at ``location`` (see ``fingerprint``)
 
     def __init__(self, location: dict[str, Any], step: int | None, context: ts.Context):
         self.location = location
@@ -121,28 +123,40 @@ class T5XCheckpoint(abc.ABC):
         return self._context
 
     def stores(self, paths: list[str]) -> list[Source]:
-        """The arrays at ``paths`` opened for reading (zarr metadata read, no data): TensorStores, or numpy
-        arrays for arrays stored inline in a legacy msgpack file."""
+        """The arrays at ``paths`` opened for reading (zarr metadata read, no data): TensorStores,
+        or numpy arrays for arrays stored inline in a legacy msgpack file."""
         return self._sources(paths)
 
     def check_stored(self) -> None:
-        """Opens every array, which checks its zarr metadata (against the msgpack spec, for the legacy
-        format), and checks that every chunk of it that a read needs is stored.
+        """Opens every array, which checks its zarr metadata (against the msgpack spec, for the
+        legacy format), and checks that every chunk of it that a read needs is stored.
 
         Raises:
-          CorruptCheckpointError: naming the array whose metadata is unreadable or wrong, or the arrays
-            with missing chunk files.
+          CorruptCheckpointError: naming the array whose metadata is unreadable or wrong, or the
+            arrays with missing chunk files.
         """
         paths = self.keys()
-        must_be_stored = {path: source for path, source in zip(paths, self._sources(paths))
-                          if isinstance(source, ts.TensorStore)
-                          and not source.spec().to_json().get("fill_missing_data_reads", True)}
-        pending = {path: source.storage_statistics(query_fully_stored=True) for path, source in must_be_stored.items()}
-        incomplete = [path for path, statistics in pending.items() if not statistics.result().fully_stored]
+        must_be_stored = {
+            path: source
+            for path, source in zip(paths, self._sources(paths))
+            if isinstance(source, ts.TensorStore)
+            and not source.spec().to_json().get("fill_missing_data_reads", True)
+        }
+        pending = {
+            path: source.storage_statistics(query_fully_stored=True)
+            for path, source in must_be_stored.items()
+        }
+        incomplete = [
+            path for path, statistics in pending.items() if not statistics.result().fully_stored
+        ]
         if incomplete:
-            shown = ", ".join(incomplete[:5]) + (f" and {len(incomplete) - 5} more" if len(incomplete) > 5 else "")
-            raise CorruptCheckpointError(f"the checkpoint {self.url} is incomplete: chunk files of {shown} are "
-                                         "missing; copy the checkpoint again")
+            shown = ", ".join(incomplete[:5]) + (
+                f" and {len(incomplete) - 5} more" if len(incomplete) > 5 else ""
+            )
+            raise CorruptCheckpointError(
+                f"the checkpoint {self.url} is incomplete: chunk files of {shown} are "
+                "missing; copy the checkpoint again"
+            )
 
     def _sources(self, paths: list[str]) -> list[Source]:
         unopened = [path for path in paths if path not in self._opened]
@@ -191,7 +205,8 @@ class T5XCheckpoint(abc.ABC):
         if isinstance(experts, (int, np.integer)):
             if not 0 <= experts < num_experts:
                 raise CheckpointError(
-                    f"expert {experts} is out of range: {path} holds {num_experts} experts (0..{num_experts - 1})"
+                    f"expert {experts} is out of range: {path} holds {num_experts} experts "
+                    f"(0..{num_experts - 1})"
                 )
             return self.read(path, int(experts))
         if isinstance(experts, slice):
@@ -199,7 +214,8 @@ class T5XCheckpoint(abc.ABC):
             stop = num_experts if experts.stop is None else experts.stop
             if experts.step not in (None, 1) or not 0 <= start < stop <= num_experts:
                 raise CheckpointError(
-                    f"expert range {start}:{stop}:{experts.step} is invalid for {path}, which holds "
+                    f"expert range {start}:{stop}:{experts.step} is invalid for {path}, which "
+                    "holds "
                     f"{num_experts} experts; use e0:e1 with 0 <= e0 < e1 <= {num_experts}"
                 )
             return self.read(path, slice(start, stop))
@@ -231,7 +247,10 @@ class T5XCheckpoint(abc.ABC):
         return unflatten({path: self._finish_read(path, p) for path, p in pending.items()})
 
     def check_shapes(
-        self, expected: Mapping[str, Sequence[int]], *, config_name: str | None = None,
+        self,
+        expected: Mapping[str, Sequence[int]],
+        *,
+        config_name: str | None = None,
         allow_extra: bool = False,
     ) -> None:
         """Raises ``ShapeMismatchError`` unless the checkpoint holds exactly these shapes.
@@ -244,6 +263,9 @@ class T5XCheckpoint(abc.ABC):
             the config would silently ignore trained weights.
         """
         shapes.check_shapes(
-            {path: info.shape for path, info in self.spec().items()}, expected,
-            where=self.url, config_name=config_name, allow_extra=allow_extra,
+            {path: info.shape for path, info in self.spec().items()},
+            expected,
+            where=self.url,
+            config_name=config_name,
+            allow_extra=allow_extra,
         )

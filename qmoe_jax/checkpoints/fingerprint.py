@@ -1,4 +1,5 @@
-"""What identifies a T5X checkpoint's model, cheaply: the fingerprint a resumed compression run compares.
+"""What identifies a T5X checkpoint's model, cheaply: the fingerprint a resumed compression run
+compares.
 
 Two hex SHA-256 digests:
 
@@ -27,7 +28,8 @@ SAMPLE_BYTES = 4096
 
 
 def first_chunk_key(store: ts.TensorStore) -> str:
-    """The storage key of chunk (0, …, 0) of a zarr v2 or v3 array, relative to the array's directory."""
+    """The storage key of chunk (0, …, 0) of a zarr v2 or v3 array, relative to the array's
+    directory."""
     metadata = store.spec().to_json()["metadata"]
     zeros = ["0"] * store.rank
     if metadata.get("zarr_format") == 2:
@@ -41,15 +43,25 @@ def first_chunk_key(store: ts.TensorStore) -> str:
 def source_fingerprint(checkpoint: T5XCheckpoint) -> dict[str, str]:
     """``{"arrays": …, "content": …}`` of ``checkpoint`` (see the module docstring)."""
     spec = checkpoint.spec()
-    arrays = hashlib.sha256("".join(f"{path} {info.shape} {info.dtype.name}\n" for path, info in spec.items()).encode())
+    arrays = hashlib.sha256(
+        "".join(f"{path} {info.shape} {info.dtype.name}\n" for path, info in spec.items()).encode()
+    )
     content = hashlib.sha256()
     files = read_keys(checkpoint.location, checkpoint.metadata_files, checkpoint.context)
     for name, data in zip(checkpoint.metadata_files, files):
-        content.update(f"{name} {len(data) if data is not None else 'missing'}\n".encode() + (data or b""))
+        content.update(
+            f"{name} {len(data) if data is not None else 'missing'}\n".encode() + (data or b"")
+        )
     paths = list(spec)
-    chunks = {path: (store.kvstore, first_chunk_key(store))
-              for path, store in zip(paths, checkpoint.stores(paths)) if isinstance(store, ts.TensorStore)}
-    samples = {path: kvstore.read(key, byte_range=slice(0, SAMPLE_BYTES)) for path, (kvstore, key) in chunks.items()}
+    chunks = {
+        path: (store.kvstore, first_chunk_key(store))
+        for path, store in zip(paths, checkpoint.stores(paths))
+        if isinstance(store, ts.TensorStore)
+    }
+    samples = {
+        path: kvstore.read(key, byte_range=slice(0, SAMPLE_BYTES))
+        for path, (kvstore, key) in chunks.items()
+    }
     for path, pending in samples.items():
         try:
             sample = pending.result()
@@ -57,5 +69,7 @@ def source_fingerprint(checkpoint: T5XCheckpoint) -> dict[str, str]:
             kvstore, key = chunks[path]
             sample = kvstore.read(key).result()
         data = sample.value if sample.state == "value" else b""
-        content.update(f"{path} {len(data) if sample.state == 'value' else 'missing'}\n".encode() + data)
+        content.update(
+            f"{path} {len(data) if sample.state == 'value' else 'missing'}\n".encode() + data
+        )
     return {"arrays": arrays.hexdigest(), "content": content.hexdigest()}

@@ -2,18 +2,20 @@
 
 Layout of an output directory::
 
-    manifest.json          format version; header (model config, source, grid, settings); dictionaries; layers
+    manifest.json          format version; header (model config, source, grid, settings);
+                           dictionaries; layers
     dense/                 Orbax tree: every parameter except the expert kernels (as in the source)
     dictionaries/<fp16>/   Orbax tree {"entries": uint32[65536, 2]}, one per distinct dictionary
-    layers/<layer>/        one finished sparse layer: arrays/ (Orbax) + layer.json (stats, checksums)
+    layers/<layer>/        one finished sparse layer: arrays/ (Orbax) + layer.json
+                           (stats, checksums)
     report.json, report.png
 
 ``<layer>`` is the dotted path of a sparse MLP, e.g. ``encoder.layers_1.mlp``.
-Its arrays are ``{kernel: {...}}`` per expert kernel (``wi``, ``wo``, or
-``wi_0``, ``wi_1``, ``wo``): for ternary codes ``codes uint16[E, n]``,
-``row_offsets int32[E, rows+1]``, ``minmax bfloat16[E, rows, 2]`` (rows = output
-features, i.e. the T5X kernel transposed); for k-bit grids ``codes uint8[E, rows,
-cols]`` and ``grid_params float32[E, rows, 2]`` (scale, zero). docs/format.md §8 has the whole layout.
+Its arrays are ``{kernel: {...}}`` per expert kernel (``wi``, ``wo``, or ``wi_0``, ``wi_1``,
+``wo``): for ternary codes ``codes uint16[E, n]``, ``row_offsets int32[E, rows+1]``, ``minmax
+bfloat16[E, rows, 2]`` (rows = output features, i.e. the T5X kernel transposed); for k-bit grids
+``codes uint8[E, rows, cols]`` and ``grid_params float32[E, rows, 2]`` (scale, zero). docs/format.md
+§8 has the whole layout.
 
 Each layer is written into a temporary directory and renamed into place, and
 the manifest is replaced atomically after it, so a crash (even kill -9) leaves
@@ -49,19 +51,27 @@ from qmoe_jax.codec.dictionary import Dictionary, build_dictionary, fingerprint_
 
 FORMAT = "qmoe_jax.compressed"
 FORMAT_VERSION = 1
-ORBAX_TEMPORARY = r"\.orbax-checkpoint-tmp.*"  # where Orbax writes a tree before renaming it into place
+ORBAX_TEMPORARY = (
+    r"\.orbax-checkpoint-tmp.*"  # where Orbax writes a tree before renaming it into place
+)
 LAYER_DIRECTORY = re.compile(r"^(encoder|decoder)\.layers_(\d+)\.mlp(\.partial)?$")
 DICTIONARY_DIRECTORY = re.compile(rf"^[0-9a-f]{{16}}({ORBAX_TEMPORARY})?$")
 DENSE_TEMPORARY = re.compile(rf"^dense{ORBAX_TEMPORARY}$")
-ADAPTERS = "adapters"  # optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
+ADAPTERS = (
+    "adapters"  # optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
+)
 RERUN = "re-run the same `python -m qmoe_jax.compress` command"
 
 
 def _written_before_marker(manifest: dict) -> bool:
-    """Manifests of format version 1 written before the "format" marker: the version and the run header."""
+    """Manifests of format version 1 written before the "format" marker: the version and the run
+    header."""
     header = manifest.get("header")
-    return (manifest.get("format_version") == FORMAT_VERSION and isinstance(header, dict)
-            and {"model", "source", "settings"} <= header.keys())
+    return (
+        manifest.get("format_version") == FORMAT_VERSION
+        and isinstance(header, dict)
+        and {"model", "source", "settings"} <= header.keys()
+    )
 
 
 COMPRESSED_OUTPUT = OutputKind(FORMAT, "a qmoe_jax compressed checkpoint", _written_before_marker)
@@ -80,7 +90,8 @@ class CompressedCheckpointError(ValueError):
 
 
 def layer_order(name: str) -> tuple[bool, int]:
-    """Sort key of a sparse layer's name in the order the calibration pass visits it (encoder first)."""
+    """Sort key of a sparse layer's name in the order the calibration pass visits it (encoder
+    first)."""
     match = LAYER_DIRECTORY.match(name)
     return match.group(1) == "decoder", int(match.group(2))
 
@@ -99,7 +110,8 @@ def _flat_checksums(tree: dict) -> dict[str, str]:
 
 
 def write_json_atomic(path: str, payload: Any) -> None:
-    """Writes ``payload`` as JSON to ``path`` so that a crash leaves the old file or the new one, never half."""
+    """Writes ``payload`` as JSON to ``path`` so that a crash leaves the old file or the new one,
+    never half."""
     temporary = path + ".tmp"
     with open(temporary, "w") as f:
         json.dump(payload, f, indent=1, sort_keys=True)
@@ -109,8 +121,8 @@ def write_json_atomic(path: str, payload: Any) -> None:
 
 
 def save_dense(directory: str, params: dict) -> dict:
-    """Saves the non-expert parameters as ``<directory>/dense`` (replacing a stale copy); returns their
-    manifest record (§8.3)."""
+    """Saves the non-expert parameters as ``<directory>/dense`` (replacing a stale copy); returns
+    their manifest record (§8.3)."""
     _require_finite(params, "dense parameters")
     path = os.path.join(directory, "dense")
     if os.path.exists(path):
@@ -120,30 +132,43 @@ def save_dense(directory: str, params: dict) -> dict:
 
 
 def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
-    """Saves ``dictionary`` as ``<directory>/dictionaries/<fingerprint[:16]>`` (replacing a stale copy); returns
-    its manifest record (§8.4)."""
+    """Saves ``dictionary`` as ``<directory>/dictionaries/<fingerprint[:16]>`` (replacing a stale
+    copy); returns its manifest record (§8.4)."""
     path = os.path.join(directory, "dictionaries", dictionary.fingerprint[:16])
     if os.path.exists(path):
         shutil.rmtree(path)
     _save_tree(path, {"entries": np.asarray(dictionary.entries)})
-    return {"p0": dictionary.p0, "directory": dictionary.fingerprint[:16], "files": _file_sizes(path)}
+    return {
+        "p0": dictionary.p0,
+        "directory": dictionary.fingerprint[:16],
+        "files": _file_sizes(path),
+    }
 
 
 def _checkpointer() -> ocp.Checkpointer:
-    """``PyTreeCheckpointer()``'s handler and defaults (the same files), except that numpy leaves are written
-    without Orbax's defensive deep copy: the save is synchronous, so nothing changes them meanwhile, and a
-    layer's peak memory drops by one copy of its arrays."""
+    """``PyTreeCheckpointer()``'s handler and defaults (the same files), except that numpy leaves
+    are written without Orbax's defensive deep copy: the save is synchronous, so nothing changes
+    them meanwhile, and a layer's peak memory drops by one copy of its arrays."""
     registry = ocp.type_handlers.create_type_handler_registry(
         (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        *((kind, ocp.type_handlers.get_type_handler(kind)) for kind in (int, float, bytes, np.number, jax.Array, str)))
-    return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=False, use_compression=True,
-                                                        type_handler_registry=registry))
+        *(
+            (kind, ocp.type_handlers.get_type_handler(kind))
+            for kind in (int, float, bytes, np.number, jax.Array, str)
+        ),
+    )
+    return ocp.Checkpointer(
+        ocp.PyTreeCheckpointHandler(
+            use_ocdbt=True, use_zarr3=False, use_compression=True, type_handler_registry=registry
+        )
+    )
 
 
 def _save_tree(path: str, tree: dict) -> None:
     try:
         _checkpointer().save(path, tree)
-    except ValueError as error:  # tensorstore reports a failed write, a full disk included, as a ValueError
+    except (
+        ValueError
+    ) as error:  # tensorstore reports a failed write, a full disk included, as a ValueError
         code = re.search(r"os_error_code='(\d+)'", str(error))
         if code is None:
             raise
@@ -161,7 +186,8 @@ def _file_sizes(path: str) -> dict[str, int]:
 
 
 def _missing_or_resized(path: str, sizes: dict[str, int]) -> str | None:
-    """What differs between the files under ``path`` and their recorded sizes; None when nothing does."""
+    """What differs between the files under ``path`` and their recorded sizes; None when nothing
+    does."""
     if not os.path.isdir(path):
         return f"{path} is missing"
     for name, size in sizes.items():
@@ -179,8 +205,10 @@ def _require_finite(tree: dict, where: str) -> None:
         if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
             bad = int(np.count_nonzero(~np.isfinite(value)))
             if bad:
-                raise CompressedCheckpointError(f"{where}: array {path} holds {bad} NaN or infinite values, "
-                                                "which a compressed checkpoint never stores")
+                raise CompressedCheckpointError(
+                    f"{where}: array {path} holds {bad} NaN or infinite values, "
+                    "which a compressed checkpoint never stores"
+                )
 
 
 def _restore_tree(path: str, fix: str) -> dict:
@@ -189,7 +217,9 @@ def _restore_tree(path: str, fix: str) -> dict:
     try:
         return ocp.PyTreeCheckpointer().restore(path)
     except Exception as error:  # orbax raises many types for damaged trees
-        raise CompressedCheckpointError(f"cannot read the Orbax tree at {path}: {error}", fix) from error
+        raise CompressedCheckpointError(
+            f"cannot read the Orbax tree at {path}: {error}", fix
+        ) from error
 
 
 def _verify(tree: dict, checksums: dict[str, str], where: str, fix: str) -> None:
@@ -198,7 +228,9 @@ def _verify(tree: dict, checksums: dict[str, str], where: str, fix: str) -> None
         if path not in found:
             raise CompressedCheckpointError(f"{where}: array {path} is missing", fix)
         if found[path] != expected:
-            raise CompressedCheckpointError(f"{where}: checksum mismatch for array {path} (the file is corrupt)", fix)
+            raise CompressedCheckpointError(
+                f"{where}: checksum mismatch for array {path} (the file is corrupt)", fix
+            )
 
 
 def _delete_and_rerun(path: str, what: str) -> str:
@@ -221,39 +253,62 @@ class CompressedCheckpointWriter:
       log: where repairs are reported.
     """
 
-    def __init__(self, directory: str, header: dict, check_resume: Callable[[dict], None] | None = None,
-                 log: Callable[[str], None] = lambda line: None):
+    def __init__(
+        self,
+        directory: str,
+        header: dict,
+        check_resume: Callable[[dict], None] | None = None,
+        log: Callable[[str], None] = lambda line: None,
+    ):
         directory = os.path.abspath(directory)  # Orbax writes absolute paths only
         check_writable(directory, COMPRESSED_OUTPUT)
         os.makedirs(directory, exist_ok=True)
         self.directory = directory
         self.log = log
-        self.replaced: dict[str, dict] = {}  # records of layers unrecorded as damaged, until they are rewritten
+        self.replaced: dict[
+            str, dict
+        ] = {}  # records of layers unrecorded as damaged, until they are rewritten
         stored = read_json_object(os.path.join(directory, MANIFEST))
         if stored is not None and stored.get("format_version") != FORMAT_VERSION:
             raise CompressedCheckpointError(
-                f"{directory} holds a compressed checkpoint of format version {stored.get('format_version')}, "
+                f"{directory} holds a compressed checkpoint of format version "
+                f"{stored.get('format_version')}, "
                 f"which this qmoe_jax (version {FORMAT_VERSION}) does not write",
-                "choose a new --output_dir")
+                "choose a new --output_dir",
+            )
         if stored is not None and (stored["dense"] is not None or stored["layers"]):
             if "format" not in stored:
                 raise CompressedCheckpointError(
-                    f"{directory} was written by an older qmoe_jax, which did not record what resuming checks "
-                    "(the source's content, the files' sizes)", f"choose a new --output_dir, or delete {directory}")
+                    f"{directory} was written by an older qmoe_jax, which did not record what "
+                    "resuming checks "
+                    "(the source's content, the files' sizes)",
+                    f"choose a new --output_dir, or delete {directory}",
+                )
             (check_resume or self._require_header(header))(stored)
             self.manifest = stored
         else:
-            self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "header": header, "dense": None,
-                             "dictionaries": {}, "layers": {}, "nonfinite_zeroed": {}, "complete": False}
+            self.manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "header": header,
+                "dense": None,
+                "dictionaries": {},
+                "layers": {},
+                "nonfinite_zeroed": {},
+                "complete": False,
+            }
             self._commit()
         self._remove_unrecorded()
 
     def _remove_unrecorded(self) -> None:
-        """Deletes what a stopped run left half-written: entries the writer owns that the manifest does not record."""
+        """Deletes what a stopped run left half-written: entries the writer owns that the manifest
+        does not record."""
         dictionaries = {record["directory"] for record in self.manifest["dictionaries"].values()}
-        for folder, owned, recorded in (("layers", LAYER_DIRECTORY, self.manifest["layers"]),
-                                        ("dictionaries", DICTIONARY_DIRECTORY, dictionaries),
-                                        ("", DENSE_TEMPORARY, ())):
+        for folder, owned, recorded in (
+            ("layers", LAYER_DIRECTORY, self.manifest["layers"]),
+            ("dictionaries", DICTIONARY_DIRECTORY, dictionaries),
+            ("", DENSE_TEMPORARY, ()),
+        ):
             path = os.path.join(self.directory, folder)
             os.makedirs(path, exist_ok=True)
             for name in os.listdir(path):
@@ -263,8 +318,10 @@ class CompressedCheckpointWriter:
     def _require_header(self, header: dict) -> Callable[[dict], None]:
         def check(stored: dict) -> None:
             if stored["header"] != json.loads(json.dumps(header)):
-                raise CompressedCheckpointError(f"{self.directory} holds a compressed checkpoint of another run",
-                                                "choose a new output directory")
+                raise CompressedCheckpointError(
+                    f"{self.directory} holds a compressed checkpoint of another run",
+                    "choose a new output directory",
+                )
 
         return check
 
@@ -278,8 +335,8 @@ class CompressedCheckpointWriter:
         return self.manifest["dense"] is not None
 
     def record_zeroed(self, key: str, count: int) -> None:
-        """Notes that ``count`` non-finite source values of ``key`` (an array, or ``array[expert]``) were
-        replaced by zeros; stored with the next part written."""
+        """Notes that ``count`` non-finite source values of ``key`` (an array, or ``array[expert]``)
+        were replaced by zeros; stored with the next part written."""
         self.manifest["nonfinite_zeroed"][key] = count
 
     def write_dense(self, params: dict) -> None:
@@ -310,17 +367,26 @@ class CompressedCheckpointWriter:
                 shutil.rmtree(path)
         os.makedirs(staging)
         _save_tree(os.path.join(staging, "arrays"), arrays)
-        record = {"stats": stats, "checksums": _flat_checksums(arrays), "files": _file_sizes(staging)}
+        record = {
+            "stats": stats,
+            "checksums": _flat_checksums(arrays),
+            "files": _file_sizes(staging),
+        }
         write_json_atomic(os.path.join(staging, "layer.json"), record)
         os.replace(staging, final)
         self.manifest["layers"][name] = record
         self._commit()
         previous = self.replaced.pop(name, None)
         if previous is not None and previous["checksums"] != record["checksums"]:
-            later = [other for other in self.manifest["layers"] if layer_order(other) > layer_order(name)]
+            later = [
+                other for other in self.manifest["layers"] if layer_order(other) > layer_order(name)
+            ]
             if later:
-                self.log(f"{name} came out different from its first copy, so the {len(later)} layer(s) after it "
-                         "are recomputed too")
+                self.log(
+                    f"{name} came out different from its first copy, so the {len(later)} layer(s) "
+                    "after it "
+                    "are recomputed too"
+                )
             for other in later:
                 self.discard_layer(other)
 
@@ -365,7 +431,9 @@ class CompressedCheckpointWriter:
             path = os.path.join(self.directory, "dictionaries", record["directory"])
             problem = damage(path, record["files"], lambda: reader.dictionary(fingerprint))
             if problem:
-                found.append(f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0")
+                found.append(
+                    f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0"
+                )
                 del self.manifest["dictionaries"][fingerprint]
                 self.write_dictionary(build_dictionary(record["p0"]))
         for name, record in list(self.manifest["layers"].items()):
@@ -379,16 +447,25 @@ class CompressedCheckpointWriter:
         return found
 
     def write_adapters(self, adapters: dict, rank: int) -> None:
-        """Saves expert LoRA adapters ``{layer: {kernel: {"a": [E, r, in], "b": [E, out, r]}}}`` (§8.9)."""
+        """Saves expert LoRA adapters ``{layer: {kernel: {"a": [E, r, in], "b": [E, out, r]}}}``
+        (§8.9)."""
         adapters = traverse_util.unflatten_dict(
-            {(*layer.split("."), *key): value for layer, kernels in adapters.items()
-             for key, value in traverse_util.flatten_dict(kernels).items()})
+            {
+                (*layer.split("."), *key): value
+                for layer, kernels in adapters.items()
+                for key, value in traverse_util.flatten_dict(kernels).items()
+            }
+        )
         _require_finite(adapters, "expert adapters")
         path = os.path.join(self.directory, ADAPTERS)
         if os.path.exists(path):
             shutil.rmtree(path)
         _save_tree(path, adapters)
-        self.manifest[ADAPTERS] = {"rank": rank, "checksums": _flat_checksums(adapters), "files": _file_sizes(path)}
+        self.manifest[ADAPTERS] = {
+            "rank": rank,
+            "checksums": _flat_checksums(adapters),
+            "files": _file_sizes(path),
+        }
         self._commit()
 
     def finalize(self, report: dict) -> None:
@@ -406,16 +483,22 @@ class CompressedCheckpoint:
         if not os.path.isfile(path):
             raise CompressedCheckpointError(
                 f"{directory} is not a qmoe_jax compressed checkpoint (no {MANIFEST})",
-                "make one with `python -m qmoe_jax.compress`")
+                "make one with `python -m qmoe_jax.compress`",
+            )
         manifest = read_json_object(path)
         if manifest is None or not COMPRESSED_OUTPUT.owns(manifest):
             raise CompressedCheckpointError(
-                f"{path} is not the manifest of a qmoe_jax compressed checkpoint (it lacks \"format\": "
-                f"\"{FORMAT}\")", "make one with `python -m qmoe_jax.compress`")
+                f"{path} is not the manifest of a qmoe_jax compressed checkpoint "
+                f'(it lacks "format": '
+                f'"{FORMAT}")',
+                "make one with `python -m qmoe_jax.compress`",
+            )
         version = manifest.get("format_version")
         if version != FORMAT_VERSION:
             raise CompressedCheckpointError(
-                f"{directory} has format version {version}; this qmoe_jax reads version {FORMAT_VERSION}")
+                f"{directory} has format version {version}; this qmoe_jax reads version "
+                f"{FORMAT_VERSION}"
+            )
         self.manifest = manifest
         self.directory = directory
 
@@ -432,8 +515,9 @@ class CompressedCheckpoint:
 
     def dense_params(self) -> dict:
         if self.manifest["dense"] is None:
-            raise CompressedCheckpointError(f"{self.directory} has no dense parameters yet",
-                                            f"{RERUN} to write them")
+            raise CompressedCheckpointError(
+                f"{self.directory} has no dense parameters yet", f"{RERUN} to write them"
+            )
         path = os.path.join(self.directory, "dense")
         fix = _delete_and_rerun(path, "rewrites it from the source checkpoint")
         tree = _restore_tree(path, fix)
@@ -443,22 +527,30 @@ class CompressedCheckpoint:
     def dictionary(self, fingerprint: str) -> Dictionary:
         record = self.manifest["dictionaries"].get(fingerprint)
         if record is None:
-            raise CompressedCheckpointError(f"dictionary {fingerprint[:16]}… is not in {self.directory}")
+            raise CompressedCheckpointError(
+                f"dictionary {fingerprint[:16]}… is not in {self.directory}"
+            )
         path = os.path.join(self.directory, "dictionaries", record["directory"])
         fix = _delete_and_rerun(path, "rebuilds it")
         entries = np.asarray(_restore_tree(path, fix)["entries"])
         if fingerprint_of(entries) != fingerprint:
-            raise CompressedCheckpointError(f"dictionary {record['directory']} does not match its fingerprint "
-                                            "(the file is corrupt)", fix)
+            raise CompressedCheckpointError(
+                f"dictionary {record['directory']} does not match its fingerprint "
+                "(the file is corrupt)",
+                fix,
+            )
         return Dictionary.from_entries(entries, record["p0"])
 
     def adapters(self) -> dict | None:
-        """Expert LoRA adapters ``{layer: {kernel: {"a", "b"}}}``, checksums verified; None when there are none."""
+        """Expert LoRA adapters ``{layer: {kernel: {"a", "b"}}}``, checksums verified; None when
+        there are none."""
         record = self.manifest.get(ADAPTERS)
         if record is None:
             return None
         path = os.path.join(self.directory, ADAPTERS)
-        fix = "re-run the `python -m qmoe_jax.finetune` command that wrote it into a new --output_dir"
+        fix = (
+            "re-run the `python -m qmoe_jax.finetune` command that wrote it into a new --output_dir"
+        )
         tree = _restore_tree(path, fix)
         _verify(tree, record["checksums"], "expert adapters", fix)
         by_layer: dict[str, dict] = {}
@@ -471,9 +563,12 @@ class CompressedCheckpoint:
         record = self.manifest["layers"].get(name)
         if record is None:
             raise CompressedCheckpointError(
-                f"layer {name} is not in {self.directory} (finished: {', '.join(self.layer_names()) or 'none'})"
+                f"layer {name} is not in {self.directory} (finished: "
+                f"{', '.join(self.layer_names()) or 'none'})"
             )
-        fix = _delete_and_rerun(os.path.join(self.directory, "layers", name), "recomputes that layer")
+        fix = _delete_and_rerun(
+            os.path.join(self.directory, "layers", name), "recomputes that layer"
+        )
         tree = _restore_tree(os.path.join(self.directory, "layers", name, "arrays"), fix)
         _verify(tree, record["checksums"], f"layer {name}", fix)
         return tree, record["stats"]

@@ -1,4 +1,5 @@
-"""Hugging Face SwitchTransformers parameter names and their places in the T5X tree (docs/qmoe_import.md §5).
+"""Hugging Face SwitchTransformers parameter names and their places in the T5X tree
+(docs/qmoe_import.md §5).
 
 HF names a torch ``Linear`` weight ``W[out, in]`` (``y = W·x``); T5X stores the
 kernel ``K[in, out]`` (``y = x·K``), so every kernel is the HF weight
@@ -47,7 +48,9 @@ def _get(state: Mapping[str, np.ndarray], name: str, shape: tuple[int, ...]) -> 
         raise HFNamesError(f"parameter {name} is missing")
     value = np.asarray(state[name])
     if value.shape != shape:
-        raise HFNamesError(f"parameter {name} has shape {list(value.shape)}, expected {list(shape)}")
+        raise HFNamesError(
+            f"parameter {name} has shape {list(value.shape)}, expected {list(shape)}"
+        )
     return value
 
 
@@ -61,7 +64,10 @@ def _scale(state, name: str, config: SwitchConfig) -> dict:
 
 def _attention(state, prefix: str, config: SwitchConfig) -> dict:
     inner = config.num_heads * config.d_kv
-    tree = {ours: _kernel(state, f"{prefix}.{theirs}", config.d_model, inner) for ours, theirs in ATTENTION[:3]}
+    tree = {
+        ours: _kernel(state, f"{prefix}.{theirs}", config.d_model, inner)
+        for ours, theirs in ATTENTION[:3]
+    }
     tree["out"] = _kernel(state, f"{prefix}.o", inner, config.d_model)
     return tree
 
@@ -69,44 +75,77 @@ def _attention(state, prefix: str, config: SwitchConfig) -> dict:
 def _mlp(state, stack: str, layer: int, config: SwitchConfig, experts: bool) -> dict:
     prefix = mlp_name(stack, layer)
     if not config.is_sparse_layer(layer, decoder=stack == "decoder"):
-        return {"wi": _kernel(state, f"{prefix}.wi", config.d_model, config.d_ff),
-                "wo": _kernel(state, f"{prefix}.wo", config.d_ff, config.d_model)}
-    tree = {"router": {"router_weights": {"w": _kernel(state, f"{prefix}.router.classifier", config.d_model,
-                                                       config.num_experts)}}}
+        return {
+            "wi": _kernel(state, f"{prefix}.wi", config.d_model, config.d_ff),
+            "wo": _kernel(state, f"{prefix}.wo", config.d_ff, config.d_model),
+        }
+    tree = {
+        "router": {
+            "router_weights": {
+                "w": _kernel(
+                    state, f"{prefix}.router.classifier", config.d_model, config.num_experts
+                )
+            }
+        }
+    }
     if experts:
         sizes = {"wi": (config.d_model, config.d_ff), "wo": (config.d_ff, config.d_model)}
         tree["expert"] = {
-            kernel: {"kernel": np.stack([_kernel(state, f"{expert_name(stack, layer, e)}.{kernel}",
-                                                 *sizes[kernel])["kernel"] for e in range(config.num_experts)])}
-            for kernel in EXPERT_KERNELS}
+            kernel: {
+                "kernel": np.stack(
+                    [
+                        _kernel(state, f"{expert_name(stack, layer, e)}.{kernel}", *sizes[kernel])[
+                            "kernel"
+                        ]
+                        for e in range(config.num_experts)
+                    ]
+                )
+            }
+            for kernel in EXPERT_KERNELS
+        }
     return tree
 
 
 def _stack(state, stack: str, config: SwitchConfig, experts: bool) -> dict:
     buckets = (config.relative_attention_num_buckets, config.num_heads)
-    tree = {"relpos_bias": {"rel_embedding": np.ascontiguousarray(
-        _get(state, f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", buckets).T)},
-        f"{stack}_norm": _scale(state, f"{stack}.final_layer_norm", config)}
+    tree = {
+        "relpos_bias": {
+            "rel_embedding": np.ascontiguousarray(
+                _get(
+                    state,
+                    f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                    buckets,
+                ).T
+            )
+        },
+        f"{stack}_norm": _scale(state, f"{stack}.final_layer_norm", config),
+    }
     layers = config.num_decoder_layers if stack == "decoder" else config.num_encoder_layers
     for i in range(layers):
         block = f"{stack}.block.{i}.layer"
         if stack == "encoder":
-            tree[f"layers_{i}"] = {"pre_attention_layer_norm": _scale(state, f"{block}.0.layer_norm", config),
-                                   "attention": _attention(state, f"{block}.0.SelfAttention", config),
-                                   "pre_mlp_layer_norm": _scale(state, f"{block}.1.layer_norm", config)}
+            tree[f"layers_{i}"] = {
+                "pre_attention_layer_norm": _scale(state, f"{block}.0.layer_norm", config),
+                "attention": _attention(state, f"{block}.0.SelfAttention", config),
+                "pre_mlp_layer_norm": _scale(state, f"{block}.1.layer_norm", config),
+            }
         else:
             tree[f"layers_{i}"] = {
                 "pre_self_attention_layer_norm": _scale(state, f"{block}.0.layer_norm", config),
                 "self_attention": _attention(state, f"{block}.0.SelfAttention", config),
                 "pre_cross_attention_layer_norm": _scale(state, f"{block}.1.layer_norm", config),
-                "encoder_decoder_attention": _attention(state, f"{block}.1.EncDecAttention", config),
-                "pre_mlp_layer_norm": _scale(state, f"{block}.2.layer_norm", config)}
+                "encoder_decoder_attention": _attention(
+                    state, f"{block}.1.EncDecAttention", config
+                ),
+                "pre_mlp_layer_norm": _scale(state, f"{block}.2.layer_norm", config),
+            }
         tree[f"layers_{i}"]["mlp"] = _mlp(state, stack, i, config, experts)
     return tree
 
 
 def hf_to_t5x(state: Mapping[str, np.ndarray], config: SwitchConfig, experts: bool = True) -> dict:
-    """The T5X parameter tree of an HF SwitchTransformers state dict (HF name -> array), dtypes kept.
+    """The T5X parameter tree of an HF SwitchTransformers state dict (HF name -> array), dtypes
+    kept.
 
     Args:
       experts: also map the expert weights to ``expert/{wi,wo}/kernel [E, in, out]``;
@@ -120,10 +159,17 @@ def hf_to_t5x(state: Mapping[str, np.ndarray], config: SwitchConfig, experts: bo
     embedding = np.asarray(_get(state, "shared.weight", (config.vocab_size, config.d_model)))
     for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight"):
         if name in state and not np.array_equal(np.asarray(state[name]), embedding):
-            raise HFNamesError(f"{name} differs from shared.weight, but a T5X SwitchTransformer has one token "
-                               "embedding for the encoder and the decoder")
-    tree = {"token_embedder": {"embedding": embedding}, "encoder": _stack(state, "encoder", config, experts),
-            "decoder": _stack(state, "decoder", config, experts)}
+            raise HFNamesError(
+                f"{name} differs from shared.weight, but a T5X SwitchTransformer has one token "
+                "embedding for the encoder and the decoder"
+            )
+    tree = {
+        "token_embedder": {"embedding": embedding},
+        "encoder": _stack(state, "encoder", config, experts),
+        "decoder": _stack(state, "decoder", config, experts),
+    }
     if config.logits_dense:
-        tree["decoder"]["logits_dense"] = _kernel(state, "lm_head", config.d_model, config.vocab_size)
+        tree["decoder"]["logits_dense"] = _kernel(
+            state, "lm_head", config.d_model, config.vocab_size
+        )
     return tree

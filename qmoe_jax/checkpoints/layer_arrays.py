@@ -22,8 +22,11 @@ import numpy as np
 
 from qmoe_jax.codec import CompressedExperts
 
-TERNARY_DTYPES = {"codes": np.dtype(np.uint16), "row_offsets": np.dtype(np.int32),
-                  "minmax": np.dtype(ml_dtypes.bfloat16)}
+TERNARY_DTYPES = {
+    "codes": np.dtype(np.uint16),
+    "row_offsets": np.dtype(np.int32),
+    "minmax": np.dtype(ml_dtypes.bfloat16),
+}
 KBIT_DTYPES = {"codes": np.dtype(np.uint8), "grid_params": np.dtype(np.float32)}
 
 
@@ -33,22 +36,36 @@ def kernel_cols(kernel: str, d_model: int, d_ff: int) -> int:
 
 
 def ternary_arrays(stacks: Sequence[CompressedExperts]) -> dict[str, np.ndarray]:
-    """One kernel's stored arrays from the stacks of consecutive expert groups (codes padded to the longest)."""
+    """One kernel's stored arrays from the stacks of consecutive expert groups (codes padded to the
+    longest)."""
     length = max(s.codes.shape[1] for s in stacks)
-    codes = np.concatenate([np.pad(np.asarray(s.codes), ((0, 0), (0, length - s.codes.shape[1]))) for s in stacks])
-    return {"codes": codes, "row_offsets": np.concatenate([np.asarray(s.row_offsets) for s in stacks]),
-            "minmax": np.concatenate([np.asarray(s.minmax) for s in stacks])}
+    codes = np.concatenate(
+        [np.pad(np.asarray(s.codes), ((0, 0), (0, length - s.codes.shape[1]))) for s in stacks]
+    )
+    return {
+        "codes": codes,
+        "row_offsets": np.concatenate([np.asarray(s.row_offsets) for s in stacks]),
+        "minmax": np.concatenate([np.asarray(s.minmax) for s in stacks]),
+    }
 
 
-def kbit_arrays(codes: Sequence[np.ndarray], grid_params: Sequence[np.ndarray]) -> dict[str, np.ndarray]:
-    """One kernel's stored arrays from the codes and grid parameters of consecutive expert groups."""
+def kbit_arrays(
+    codes: Sequence[np.ndarray], grid_params: Sequence[np.ndarray]
+) -> dict[str, np.ndarray]:
+    """One kernel's stored arrays from the codes and grid parameters of consecutive expert
+    groups."""
     return {"codes": np.concatenate(codes), "grid_params": np.concatenate(grid_params)}
 
 
 def compressed_stack(arrays: dict, cols: int, experts: slice = slice(None)) -> CompressedExperts:
-    """The ``CompressedExperts`` of a ternary kernel's stored arrays (optionally some of its experts)."""
-    return CompressedExperts(np.asarray(arrays["codes"])[experts], np.asarray(arrays["row_offsets"])[experts],
-                             np.asarray(arrays["minmax"])[experts], cols)
+    """The ``CompressedExperts`` of a ternary kernel's stored arrays (optionally some of its
+    experts)."""
+    return CompressedExperts(
+        np.asarray(arrays["codes"])[experts],
+        np.asarray(arrays["row_offsets"])[experts],
+        np.asarray(arrays["minmax"])[experts],
+        cols,
+    )
 
 
 def check_kernel_arrays(arrays: dict, ternary: bool, where: str) -> None:
@@ -58,4 +75,6 @@ def check_kernel_arrays(arrays: dict, ternary: bool, where: str) -> None:
         raise ValueError(f"{where} holds arrays {sorted(arrays)}, expected {sorted(expected)}")
     for name, dtype in expected.items():
         if np.asarray(arrays[name]).dtype != dtype:
-            raise ValueError(f"{where}/{name} is {np.asarray(arrays[name]).dtype}, expected {dtype}")
+            raise ValueError(
+                f"{where}/{name} is {np.asarray(arrays[name]).dtype}, expected {dtype}"
+            )

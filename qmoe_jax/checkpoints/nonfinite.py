@@ -28,7 +28,9 @@ class NonFiniteWeightsError(CheckpointError):
 
 def check_policy(policy: str) -> None:
     if policy not in POLICIES:
-        raise ValueError(f"unknown non-finite policy {policy!r}; choose one of {', '.join(POLICIES)}")
+        raise ValueError(
+            f"unknown non-finite policy {policy!r}; choose one of {', '.join(POLICIES)}"
+        )
 
 
 def _is_float(array: np.ndarray) -> bool:
@@ -36,9 +38,11 @@ def _is_float(array: np.ndarray) -> bool:
 
 
 class FiniteWeights:
-    """A T5X checkpoint whose ``read``, ``read_expert`` and ``read_params`` return finite arrays only.
+    """A T5X checkpoint whose ``read``, ``read_expert`` and ``read_params`` return finite arrays
+    only.
 
-    Everything else (``keys``, ``spec``, ``url``, ``check_shapes``, ...) is the wrapped checkpoint's.
+    Everything else (``keys``, ``spec``, ``url``, ``check_shapes``, ...) is the wrapped
+    checkpoint's.
 
     Args:
       checkpoint: the checkpoint to read.
@@ -46,8 +50,12 @@ class FiniteWeights:
       on_zeroed: called with ``(key, count)`` for each array or expert whose values were zeroed.
     """
 
-    def __init__(self, checkpoint: T5XCheckpoint, policy: str = "error",
-                 on_zeroed: Callable[[str, int], None] = lambda key, count: None):
+    def __init__(
+        self,
+        checkpoint: T5XCheckpoint,
+        policy: str = "error",
+        on_zeroed: Callable[[str, int], None] = lambda key, count: None,
+    ):
         check_policy(policy)
         self.checkpoint = checkpoint
         self.policy = policy
@@ -65,18 +73,26 @@ class FiniteWeights:
             return array
         if self.policy == "error":
             raise NonFiniteWeightsError(
-                f"{what} of the checkpoint {self.checkpoint.url} holds {count} NaN or infinite values; fix the "
-                "checkpoint, or pass --nonfinite zero to compress it with those values set to 0 (counted in "
-                "report.json)")
+                f"{what} of the checkpoint {self.checkpoint.url} holds {count} NaN or infinite "
+                "values; fix the "
+                "checkpoint, or pass --nonfinite zero to compress it with those values set to 0 "
+                "(counted in "
+                "report.json)"
+            )
         self.on_zeroed(key, count)
         return np.where(finite, array, np.zeros((), array.dtype))
 
     def _finite_stack(self, array: np.ndarray, path: str, first: int) -> np.ndarray:
-        """An expert stack's slice ``[first, first + len)``; non-finite values are handled one expert at a time."""
+        """An expert stack's slice ``[first, first + len)``; non-finite values are handled one
+        expert at a time."""
         if not _is_float(array) or np.isfinite(array).all():
             return array
-        return np.stack([self._finite(expert, f"{path}[{first + e}]", f"{path}, expert {first + e},")
-                         for e, expert in enumerate(array)])
+        return np.stack(
+            [
+                self._finite(expert, f"{path}[{first + e}]", f"{path}, expert {first + e},")
+                for e, expert in enumerate(array)
+            ]
+        )
 
     def read(self, path: str, index: Any = None) -> np.ndarray:
         return self._finite(self.checkpoint.read(path, index), path, path)
@@ -90,12 +106,18 @@ class FiniteWeights:
     def read_params(self, paths: Iterable[str] | None = None) -> dict[str, Any]:
         flat = traverse_util.flatten_dict(self.checkpoint.read_params(paths), sep="/")
         spec = self.checkpoint.spec()
-        return unflatten({path: self._finite_stack(array, path, 0) if spec[path].is_expert_stack
-                          else self._finite(array, path, path) for path, array in flat.items()})
+        return unflatten(
+            {
+                path: self._finite_stack(array, path, 0)
+                if spec[path].is_expert_stack
+                else self._finite(array, path, path)
+                for path, array in flat.items()
+            }
+        )
 
     def check_all(self) -> None:
-        """Reads every array once (an expert stack one expert at a time), so that an unreadable chunk or a
-        non-finite value shows now rather than when its layer is reached."""
+        """Reads every array once (an expert stack one expert at a time), so that an unreadable
+        chunk or a non-finite value shows now rather than when its layer is reached."""
         for path, info in self.checkpoint.spec().items():
             if info.is_expert_stack:
                 for expert in range(info.shape[0]):

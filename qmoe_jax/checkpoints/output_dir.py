@@ -39,7 +39,8 @@ class OutputKind:
     Attributes:
       marker: the value of its manifest's ``"format"`` field, e.g. ``"qmoe_jax.compressed"``.
       description: what such a directory is, for messages ("a qmoe_jax compressed checkpoint").
-      written_before_marker: recognizes the manifests of this kind written before the marker existed.
+      written_before_marker: recognizes the manifests of this kind written before the marker
+        existed.
     """
 
     marker: str
@@ -53,7 +54,8 @@ class OutputKind:
 
 
 def read_json_object(path: str) -> dict | None:
-    """The JSON object in the file at ``path``; None when the file is missing, unreadable or holds anything else."""
+    """The JSON object in the file at ``path``; None when the file is missing, unreadable or holds
+    anything else."""
     try:
         with open(path) as f:
             value = json.load(f)
@@ -70,15 +72,22 @@ def _listing(names: list[str]) -> str:
 def _entries(directory: str) -> list[str]:
     """Names in ``directory`` (directories with a trailing "/"), the lock file left out."""
     with os.scandir(directory) as entries:
-        return sorted(entry.name + ("/" if entry.is_dir() else "") for entry in entries if entry.name != LOCK_FILE)
+        return sorted(
+            entry.name + ("/" if entry.is_dir() else "")
+            for entry in entries
+            if entry.name != LOCK_FILE
+        )
 
 
 def check_writable(directory: str, kind: OutputKind) -> None:
-    """Raises ``OutputDirectoryError`` unless ``directory`` is new, empty, or an output of ``kind``."""
+    """Raises ``OutputDirectoryError`` unless ``directory`` is new, empty, or an output of
+    ``kind``."""
     if not os.path.exists(directory):
         return
     if not os.path.isdir(directory):
-        raise OutputDirectoryError(f"{directory} is a file, not a directory; choose a new directory for the output")
+        raise OutputDirectoryError(
+            f"{directory} is a file, not a directory; choose a new directory for the output"
+        )
     names = _entries(directory)
     if not names:
         return
@@ -90,23 +99,27 @@ def check_writable(directory: str, kind: OutputKind) -> None:
         return  # a run stopped while writing its first manifest
     if MANIFEST in names and manifest is None:
         raise OutputDirectoryError(
-            f"{directory}/{MANIFEST} is not a readable JSON object (damaged, or another tool's), so qmoe_jax will "
-            f"not write there; choose a new or empty directory (or delete {directory} to start over)"
+            f"{directory}/{MANIFEST} is not a readable JSON object (damaged, or another tool's), "
+            "so qmoe_jax will "
+            f"not write there; choose a new or empty directory (or delete {directory} to start "
+            "over)"
         )
     if MANIFEST in names:
         raise OutputDirectoryError(
-            f"{directory} holds a {MANIFEST} that is not {kind.description}'s (it lacks \"format\": "
-            f"\"{kind.marker}\"), so qmoe_jax will not write there; choose a new or empty directory"
+            f'{directory} holds a {MANIFEST} that is not {kind.description}\'s (it lacks "format": '
+            f'"{kind.marker}"), so qmoe_jax will not write there; choose a new or empty directory'
         )
     raise OutputDirectoryError(
-        f"{directory} is not empty and is not {kind.description} (it holds {_listing(names)}), so qmoe_jax will "
+        f"{directory} is not empty and is not {kind.description} (it holds {_listing(names)}), so "
+        "qmoe_jax will "
         "not write there; choose a new or empty directory"
     )
 
 
 @contextlib.contextmanager
 def locked(directory: str) -> Iterator[None]:
-    """Holds the directory's exclusive lock; ``OutputDirectoryError`` if another process holds it."""
+    """Holds the directory's exclusive lock; ``OutputDirectoryError`` if another process holds
+    it."""
     path = os.path.join(directory, LOCK_FILE)
     with open(path, "a+") as lock:
         try:
@@ -115,7 +128,8 @@ def locked(directory: str) -> Iterator[None]:
             lock.seek(0)
             holder = lock.read().strip() or "another process"
             raise OutputDirectoryError(
-                f"{directory} is being written by {holder} (it holds {path}); wait for that run to end, "
+                f"{directory} is being written by {holder} (it holds {path}); wait for that run "
+                "to end, "
                 "or stop it, before starting another one there"
             ) from None
         lock.truncate(0)
@@ -126,8 +140,8 @@ def locked(directory: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def claimed(directory: str, kind: OutputKind) -> Iterator[str]:
-    """Checks that ``directory`` may be written (``check_writable``), creates it and holds its lock while the
-    block runs; yields its absolute path."""
+    """Checks that ``directory`` may be written (``check_writable``), creates it and holds its lock
+    while the block runs; yields its absolute path."""
     directory = os.path.abspath(directory)
     check_writable(directory, kind)
     os.makedirs(directory, exist_ok=True)

@@ -35,20 +35,31 @@ _STEP_DIR = re.compile(r"^checkpoint_(\d+)/$")
 
 def _not_a_checkpoint(where: dict, context: ts.Context) -> NotACheckpointError:
     if is_local(where) and os.path.isfile(where["path"].rstrip("/")):
-        return NotACheckpointError(f"{where['path'].rstrip('/')} is a file, not a T5X checkpoint: pass the "
-                                   "checkpoint_<step> directory of the model")
+        return NotACheckpointError(
+            f"{where['path'].rstrip('/')} is a file, not a T5X checkpoint: pass the "
+            "checkpoint_<step> directory of the model"
+        )
     names = list_names(where, context)
-    steps = sorted((n for n in names if _STEP_DIR.match(n)), key=lambda n: int(_STEP_DIR.match(n).group(1)))
-    hint = (f" It looks like a T5X model directory: open one of its step directories, e.g. "
-            f"{describe(child(where, steps[-1]))}." if steps else "")
+    steps = sorted(
+        (n for n in names if _STEP_DIR.match(n)), key=lambda n: int(_STEP_DIR.match(n).group(1))
+    )
+    hint = (
+        f" It looks like a T5X model directory: open one of its step directories, e.g. "
+        f"{describe(child(where, steps[-1]))}."
+        if steps
+        else ""
+    )
     return NotACheckpointError(
-        f"{describe(where)} is not a T5X checkpoint: expected a legacy T5X '{MSGPACK_FILE}' msgpack "
+        f"{describe(where)} is not a T5X checkpoint: expected a legacy T5X '{MSGPACK_FILE}' "
+        "msgpack "
         f"file or an Orbax '{METADATA_FILE}' file (there or in '{STATE_DIR}/'), found "
         f"{format_names(names)}.{hint}"
     )
 
 
-def open_t5x_checkpoint(path_or_url: PathOrUrl, *, context: ts.Context | None = None) -> T5XCheckpoint:
+def open_t5x_checkpoint(
+    path_or_url: PathOrUrl, *, context: ts.Context | None = None
+) -> T5XCheckpoint:
     """Opens a T5X checkpoint, legacy (msgpack + zarr) or Orbax (OCDBT), without reading arrays.
 
     Args:
@@ -71,7 +82,8 @@ def open_t5x_checkpoint(path_or_url: PathOrUrl, *, context: ts.Context | None = 
     context = ts.Context() if context is None else context
     where = location(path_or_url)
     metadata, state_metadata, msgpack = read_keys(
-        where, [METADATA_FILE, f"{STATE_DIR}/{METADATA_FILE}", MSGPACK_FILE], context)
+        where, [METADATA_FILE, f"{STATE_DIR}/{METADATA_FILE}", MSGPACK_FILE], context
+    )
     if metadata is not None:
         return OrbaxT5XCheckpoint(where, metadata, context)
     if state_metadata is not None:

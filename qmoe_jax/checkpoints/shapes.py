@@ -28,44 +28,75 @@ def _layer_count(paths, stack: str) -> int:
 
 def _mlp_layers(paths, *, sparse_only: bool) -> set[str]:
     """Layer prefixes with an MLP (``sparse_only``: with an expert stack)."""
-    return {p.split("/mlp/")[0] for p in paths if "/mlp/expert/" in p or ("/mlp/" in p and not sparse_only)}
+    return {
+        p.split("/mlp/")[0]
+        for p in paths
+        if "/mlp/expert/" in p or ("/mlp/" in p and not sparse_only)
+    }
 
 
-def _hints(found: Mapping, missing: list[str], extra: list[str], differ: list[str], expected) -> list[str]:
+def _hints(
+    found: Mapping, missing: list[str], extra: list[str], differ: list[str], expected
+) -> list[str]:
     hints = []
     for stack in ("encoder", "decoder"):
         have, want = _layer_count(found, stack), _layer_count(expected, stack)
         if have != want:
-            hints.append(f"the checkpoint has {have} {stack} layers but the config {want}: "
-                         "pick the config with the checkpoint's depth")
-    sparse_found, sparse_wanted = _mlp_layers(found, sparse_only=True), _mlp_layers(expected, sparse_only=True)
+            hints.append(
+                f"the checkpoint has {have} {stack} layers but the config {want}: "
+                "pick the config with the checkpoint's depth"
+            )
+    sparse_found, sparse_wanted = (
+        _mlp_layers(found, sparse_only=True),
+        _mlp_layers(expected, sparse_only=True),
+    )
     dense_in_checkpoint = (sparse_wanted - sparse_found) & _mlp_layers(found, sparse_only=False)
     sparse_in_checkpoint = (sparse_found - sparse_wanted) & _mlp_layers(expected, sparse_only=False)
-    for layers, here, there in ((dense_in_checkpoint, "dense", "sparse"), (sparse_in_checkpoint, "sparse", "dense")):
+    for layers, here, there in (
+        (dense_in_checkpoint, "dense", "sparse"),
+        (sparse_in_checkpoint, "sparse", "dense"),
+    ):
         if layers:
-            hints.append(f"{min(layers)} is {here} in the checkpoint but {there} in the config: "
-                         "the spacing of sparse (MoE) layers differs")
-    expert_counts = {(found[p][0], expected[p][0]) for p in differ
-                     if "/expert/" in p and found[p][1:] == tuple(expected[p][1:])}
+            hints.append(
+                f"{min(layers)} is {here} in the checkpoint but {there} in the config: "
+                "the spacing of sparse (MoE) layers differs"
+            )
+    expert_counts = {
+        (found[p][0], expected[p][0])
+        for p in differ
+        if "/expert/" in p and found[p][1:] == tuple(expected[p][1:])
+    }
     for have, want in sorted(expert_counts):
-        hints.append(f"the checkpoint has {have} experts per sparse layer but the config {want}: "
-                     f"pick the config with {have} experts")
+        hints.append(
+            f"the checkpoint has {have} experts per sparse layer but the config {want}: "
+            f"pick the config with {have} experts"
+        )
     if any(p.endswith(("/wi_0/kernel", "/wi_1/kernel")) for p in missing + extra):
         hints.append("gated GELU (mlp/wi_0 + mlp/wi_1, as in XXL) vs a single mlp/wi differs")
     if "decoder/logits_dense/kernel" in missing:
-        hints.append("the config expects untied logits (decoder/logits_dense, as XXL and C) "
-                     "but the checkpoint ties them to token_embedder")
+        hints.append(
+            "the config expects untied logits (decoder/logits_dense, as XXL and C) "
+            "but the checkpoint ties them to token_embedder"
+        )
     if "decoder/logits_dense/kernel" in extra:
-        hints.append("the checkpoint has untied logits (decoder/logits_dense) but the config ties them")
+        hints.append(
+            "the checkpoint has untied logits (decoder/logits_dense) but the config ties them"
+        )
     if differ and not expert_counts:
-        hints.append("the model sizes differ (d_model, d_ff, heads or vocabulary): "
-                     "pick the config that matches the checkpoint")
+        hints.append(
+            "the model sizes differ (d_model, d_ff, heads or vocabulary): "
+            "pick the config that matches the checkpoint"
+        )
     return hints or ["the checkpoint is of another model than the config describes"]
 
 
 def check_shapes(
-    found: Mapping[str, tuple[int, ...]], expected: Mapping[str, Sequence[int]], *, where: str,
-    config_name: str | None = None, allow_extra: bool = False,
+    found: Mapping[str, tuple[int, ...]],
+    expected: Mapping[str, Sequence[int]],
+    *,
+    where: str,
+    config_name: str | None = None,
+    allow_extra: bool = False,
 ) -> None:
     """Raises ``ShapeMismatchError`` listing every missing, extra or mis-shaped array.
 
@@ -83,18 +114,34 @@ def check_shapes(
     if not (missing or extra or differ):
         return
     lines = [f"the checkpoint {where} does not match {config}:"]
-    lines += _listed([f"  {p} has shape {tuple(found[p])} in the checkpoint but {config} expects "
-                      f"{tuple(expected[p])}" for p in differ])
-    lines += _listed([f"  {p} is missing from the checkpoint ({config} expects shape "
-                      f"{tuple(expected[p])})" for p in missing])
-    lines += _listed([f"  {p} {tuple(found[p])} is in the checkpoint but {config} does not expect it"
-                      for p in extra])
-    lines.append("Likely cause: " + "; ".join(_hints(found, missing, extra, differ, expected)) + ".")
+    lines += _listed(
+        [
+            f"  {p} has shape {tuple(found[p])} in the checkpoint but {config} expects "
+            f"{tuple(expected[p])}"
+            for p in differ
+        ]
+    )
+    lines += _listed(
+        [
+            f"  {p} is missing from the checkpoint ({config} expects shape {tuple(expected[p])})"
+            for p in missing
+        ]
+    )
+    lines += _listed(
+        [
+            f"  {p} {tuple(found[p])} is in the checkpoint but {config} does not expect it"
+            for p in extra
+        ]
+    )
+    lines.append(
+        "Likely cause: " + "; ".join(_hints(found, missing, extra, differ, expected)) + "."
+    )
     raise ShapeMismatchError("\n".join(lines))
 
 
 def path_shapes(tree: Mapping) -> dict[str, tuple[int, ...]]:
-    """``{"encoder/layers_0/...": shape}`` of a nested parameter tree (arrays or ``ShapeDtypeStruct``s)."""
+    """``{"encoder/layers_0/...": shape}`` of a nested parameter tree (arrays or
+    ``ShapeDtypeStruct``s)."""
     flat = {}
     for key, value in tree.items():
         if isinstance(value, Mapping):

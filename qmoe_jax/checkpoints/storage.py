@@ -32,7 +32,9 @@ def location(path_or_url: PathOrUrl) -> dict[str, Any]:
             try:
                 spec = ts.KvStore.Spec(text).to_json()
             except ValueError as error:
-                raise CheckpointError(f"{text!r} is not a tensorstore kvstore URL: {error}") from None
+                raise CheckpointError(
+                    f"{text!r} is not a tensorstore kvstore URL: {error}"
+                ) from None
         else:
             spec = {"driver": "file", "path": os.path.abspath(os.path.expanduser(text))}
     path = spec.get("path", "")
@@ -104,7 +106,11 @@ def format_names(names: list[str]) -> str:
 
 
 def open_zarrs(
-    arrays: Mapping[str, dict[str, Any]], context: ts.Context, *, where: str, zarr3: bool = False,
+    arrays: Mapping[str, dict[str, Any]],
+    context: ts.Context,
+    *,
+    where: str,
+    zarr3: bool = False,
     all_chunks_stored: bool = False,
 ) -> dict[str, ts.TensorStore]:
     """Opens existing zarr arrays (name → location) concurrently, reading only their metadata.
@@ -128,7 +134,8 @@ def open_zarrs(
         except ValueError as error:
             metadata = "zarr.json" if zarr3 else ".zarray"
             raise CorruptCheckpointError(
-                f"array {name!r} of {where}: cannot open its zarr array at {describe(arrays[name])} "
+                f"array {name!r} of {where}: cannot open its zarr array at "
+                f"{describe(arrays[name])} "
                 f"(expected a {metadata} file there): {error}. The checkpoint is incomplete or "
                 "damaged; copy it again."
             ) from None

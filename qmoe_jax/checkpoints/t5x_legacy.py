@@ -124,13 +124,17 @@ class LegacyT5XCheckpoint(T5XCheckpoint):
             shape = tuple(metadata["shape"])
             info = ArrayInfo(path, shape, dtype, tuple(metadata.get("chunks", shape)))
         except (KeyError, TypeError, ValueError) as error:
-            raise CorruptCheckpointError(f"{where}: the tensorstore spec of {path!r} is invalid "
-                                         f"({error!r}): {leaf}") from None
+            raise CorruptCheckpointError(
+                f"{where}: the tensorstore spec of {path!r} is invalid ({error!r}): {leaf}"
+            ) from None
         if relative_array_path(leaf) is None:
-            raise CorruptCheckpointError(f"{where}: the tensorstore spec of {path!r} names no path: {leaf}")
+            raise CorruptCheckpointError(
+                f"{where}: the tensorstore spec of {path!r} names no path: {leaf}"
+            )
         if dtype == np.uint16 and (self.version or 0) < VERSION:
             raise CorruptCheckpointError(
-                f"{where} is a version-{self.version} T5X checkpoint that stores bfloat16 {path!r} as "
+                f"{where} is a version-{self.version} T5X checkpoint that stores bfloat16 "
+                f"{path!r} as "
                 "uint16; like t5x, we only read version 3 (native bfloat16). Re-save it with a "
                 "current t5x."
             )
@@ -140,16 +144,22 @@ class LegacyT5XCheckpoint(T5XCheckpoint):
         return self._spec
 
     def _open_sources(self, paths: list[str]) -> dict[str, Any]:
-        sources = {path: self._leaves[path] for path in paths if isinstance(self._leaves[path], np.ndarray)}
-        arrays = {path: child(self.location, relative_array_path(self._leaves[path]).strip("/") + "/")
-                  for path in paths if path not in sources}
+        sources = {
+            path: self._leaves[path] for path in paths if isinstance(self._leaves[path], np.ndarray)
+        }
+        arrays = {
+            path: child(self.location, relative_array_path(self._leaves[path]).strip("/") + "/")
+            for path in paths
+            if path not in sources
+        }
         stores = open_zarrs(arrays, self._context, where=self.url)
         for path, store in stores.items():
             info = self._spec[path]
             if tuple(store.shape) != info.shape or store.dtype.numpy_dtype != info.dtype:
                 raise CorruptCheckpointError(
                     f"array {path!r} of {self.url}: its zarr metadata says {tuple(store.shape)} "
-                    f"{store.dtype.numpy_dtype} but the msgpack spec says {info.shape} {info.dtype}; "
+                    f"{store.dtype.numpy_dtype} but the msgpack spec says {info.shape} "
+                    f"{info.dtype}; "
                     "the checkpoint is inconsistent"
                 )
         return sources | stores

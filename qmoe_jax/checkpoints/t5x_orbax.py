@@ -52,16 +52,22 @@ def decode_metadata(data: bytes, where: str) -> tuple[dict[str, str], dict[str, 
     try:
         metadata = json.loads(data)
         tree = metadata["tree_metadata"]
-        entries = {tree_key: (_key_path(tree_key, entry), entry.get("value_metadata", {}))
-                   for tree_key, entry in tree.items()}
+        entries = {
+            tree_key: (_key_path(tree_key, entry), entry.get("value_metadata", {}))
+            for tree_key, entry in tree.items()
+        }
     except (ValueError, KeyError, TypeError, SyntaxError) as error:
         raise CorruptCheckpointError(
             f"{where} is not a readable Orbax PyTree metadata file ({len(data)} bytes): {error!r}"
         ) from None
     names = {}
     for keys, value in entries.values():
-        if (keys[0] == "target" and len(keys) > 1 and not value.get("skip_deserialize", False)
-                and value.get("value_type") in ARRAY_VALUE_TYPES):
+        if (
+            keys[0] == "target"
+            and len(keys) > 1
+            and not value.get("skip_deserialize", False)
+            and value.get("value_type") in ARRAY_VALUE_TYPES
+        ):
             names["/".join(keys[1:])] = ".".join(keys)
     if not names:
         roots = sorted({keys[0] for keys, _ in entries.values()})
@@ -73,7 +79,8 @@ def decode_metadata(data: bytes, where: str) -> tuple[dict[str, str], dict[str, 
 
 
 class OrbaxT5XCheckpoint(T5XCheckpoint):
-    """An Orbax T5X checkpoint, read through tensorstore; ``location`` is its ``state/`` directory."""
+    """An Orbax T5X checkpoint, read through tensorstore; ``location`` is its ``state/``
+    directory."""
 
     format = "orbax"
     metadata_files = (METADATA_FILE, OCDBT_MANIFEST)
@@ -95,8 +102,13 @@ class OrbaxT5XCheckpoint(T5XCheckpoint):
 
     def _open_sources(self, paths: list[str]) -> dict[str, Any]:
         arrays = {path: self._array_location(self._names[path]) for path in paths}
-        return open_zarrs(arrays, self._context, where=self.url, zarr3=self._zarr3,
-                          all_chunks_stored=self._all_chunks_stored)
+        return open_zarrs(
+            arrays,
+            self._context,
+            where=self.url,
+            zarr3=self._zarr3,
+            all_chunks_stored=self._all_chunks_stored,
+        )
 
     def keys(self) -> list[str]:
         """Sorted param paths, from ``_METADATA`` alone (no array is opened)."""
@@ -107,8 +119,12 @@ class OrbaxT5XCheckpoint(T5XCheckpoint):
 
     @staticmethod
     def _array_info(path: str, store: ts.TensorStore) -> ArrayInfo:
-        return ArrayInfo(path, tuple(store.shape), store.dtype.numpy_dtype,
-                         tuple(store.chunk_layout.read_chunk.shape))
+        return ArrayInfo(
+            path,
+            tuple(store.shape),
+            store.dtype.numpy_dtype,
+            tuple(store.chunk_layout.read_chunk.shape),
+        )
 
     def info(self, path: str) -> ArrayInfo:
         """``ArrayInfo`` of one param path; opens only that array (reads its zarr metadata)."""
@@ -121,5 +137,7 @@ class OrbaxT5XCheckpoint(T5XCheckpoint):
         """Every parameter's ``ArrayInfo``; the first call reads each array's zarr metadata."""
         if self._spec is None:
             stores = self._sources(list(self._names))
-            self._spec = {path: self._array_info(path, store) for path, store in zip(self._names, stores)}
+            self._spec = {
+                path: self._array_info(path, store) for path, store in zip(self._names, stores)
+            }
         return self._spec

@@ -35,7 +35,15 @@ from flax import serialization
 
 from qmoe_jax.checkpoints.base import unflatten
 from qmoe_jax.checkpoints.errors import CheckpointError
-from qmoe_jax.checkpoints.storage import PathOrUrl, child, describe, is_local, location, read_key, write_key
+from qmoe_jax.checkpoints.storage import (
+    PathOrUrl,
+    child,
+    describe,
+    is_local,
+    location,
+    read_key,
+    write_key,
+)
 from qmoe_jax.checkpoints.t5x_legacy import MSGPACK_FILE, VERSION
 from qmoe_jax.checkpoints.t5x_orbax import STATE_DIR
 
@@ -49,7 +57,9 @@ def t5x_chunk_shape(write_shape: Sequence[int], target_elements: int) -> tuple[i
     Greedy, as t5x: while too large, replace the largest chunk dimension (the
     first one on ties) by its next smaller divisor of the write shape.
     """
-    divisors = [[d for d in range(1, max(size, 1) + 1) if max(size, 1) % d == 0] for size in write_shape]
+    divisors = [
+        [d for d in range(1, max(size, 1) + 1) if max(size, 1) % d == 0] for size in write_shape
+    ]
     while int(np.prod([d[-1] for d in divisors])) > target_elements:
         largest = max(range(len(divisors)), key=lambda i: (divisors[i][-1], -i))
         divisors[largest].pop()
@@ -60,12 +70,15 @@ def _is_floating(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype == ml_dtypes.bfloat16
 
 
-def _flatten(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], np.ndarray]:
+def _flatten(
+    params: Mapping[str, Any], prefix: tuple[str, ...] = ()
+) -> dict[tuple[str, ...], np.ndarray]:
     flat = {}
     for key, value in params.items():
         if not isinstance(key, str) or not key or "/" in key or "." in key:
             raise CheckpointError(
-                f"parameter key {key!r} under {'/'.join(prefix) or 'the root'} is not a name T5X can "
+                f"parameter key {key!r} under {'/'.join(prefix) or 'the root'} is not a name T5X "
+                "can "
                 "store: keys must be non-empty strings without '/' or '.'"
             )
         if isinstance(value, Mapping):
@@ -73,8 +86,10 @@ def _flatten(params: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tu
         else:
             array = np.asarray(value)
             if array.dtype.kind not in "biu" and not _is_floating(array.dtype):
-                raise CheckpointError(f"parameter {'/'.join(prefix + (key,))} has dtype {array.dtype}; "
-                                      "only numeric arrays can be stored")
+                raise CheckpointError(
+                    f"parameter {'/'.join(prefix + (key,))} has dtype {array.dtype}; "
+                    "only numeric arrays can be stored"
+                )
             flat[prefix + (key,)] = array
     return flat
 
@@ -83,48 +98,70 @@ def _is_expert_stack(keys: tuple[str, ...], array: np.ndarray) -> bool:
     return "expert" in keys and array.ndim >= 1
 
 
-def _chunks(keys: tuple[str, ...], array: np.ndarray, experts_per_chunk: int | None) -> tuple[int, ...]:
+def _chunks(
+    keys: tuple[str, ...], array: np.ndarray, experts_per_chunk: int | None
+) -> tuple[int, ...]:
     write_shape = array.shape
     if experts_per_chunk is not None and _is_expert_stack(keys, array):
         if array.shape[0] % experts_per_chunk:
-            raise CheckpointError(f"{'/'.join(keys)} holds {array.shape[0]} experts, not a multiple of "
-                                  f"experts_per_chunk={experts_per_chunk}")
+            raise CheckpointError(
+                f"{'/'.join(keys)} holds {array.shape[0]} experts, not a multiple of "
+                f"experts_per_chunk={experts_per_chunk}"
+            )
         write_shape = (experts_per_chunk,) + array.shape[1:]
     return t5x_chunk_shape(write_shape, DESIRED_CHUNK_BYTES // array.dtype.itemsize)
 
 
-def _legacy_spec(keys: tuple[str, ...], array: np.ndarray, chunks: tuple[int, ...]) -> dict[str, Any]:
+def _legacy_spec(
+    keys: tuple[str, ...], array: np.ndarray, chunks: tuple[int, ...]
+) -> dict[str, Any]:
     """The spec JSON t5x puts in the msgpack file, kvstore path relative to the checkpoint."""
-    return ts.Spec({
-        "driver": "zarr",
-        "dtype": ts.dtype(array.dtype).name,
-        "kvstore": {"driver": "file", "path": ".".join(("target",) + keys)},
-        "metadata": {"compressor": {"id": "gzip"}, "shape": list(array.shape), "chunks": list(chunks)},
-    }).to_json()
+    return ts.Spec(
+        {
+            "driver": "zarr",
+            "dtype": ts.dtype(array.dtype).name,
+            "kvstore": {"driver": "file", "path": ".".join(("target",) + keys)},
+            "metadata": {
+                "compressor": {"id": "gzip"},
+                "shape": list(array.shape),
+                "chunks": list(chunks),
+            },
+        }
+    ).to_json()
 
 
 def _sorted_tree(tree: Any) -> Any:
-    """Keys in sorted order at every level, as ``jax.tree_util.tree_map`` leaves t5x's state dict."""
+    """Keys in sorted order at every level, as ``jax.tree_util.tree_map`` leaves t5x's state
+    dict."""
     if isinstance(tree, dict):
         return {key: _sorted_tree(tree[key]) for key in sorted(tree)}
     return tree
 
 
-def _write_legacy(final: dict, staging: dict, step: int, arrays: dict, experts_per_chunk, context) -> None:
+def _write_legacy(
+    final: dict, staging: dict, step: int, arrays: dict, experts_per_chunk, context
+) -> None:
     specs, writes = {}, []
     for keys, array in arrays.items():
         spec = _legacy_spec(keys, array, _chunks(keys, array, experts_per_chunk))
-        store = ts.open(dict(spec, kvstore=child(staging, spec["kvstore"]["path"])), create=True,
-                        context=context).result()
+        store = ts.open(
+            dict(spec, kvstore=child(staging, spec["kvstore"]["path"])),
+            create=True,
+            context=context,
+        ).result()
         writes.append(store.write(array))
         specs["/".join(keys)] = spec
     for write in writes:
         write.result()
-    contents = {"version": VERSION,
-                "optimizer": {"state": {"step": np.int32(step)}, "target": _sorted_tree(unflatten(specs))}}
+    contents = {
+        "version": VERSION,
+        "optimizer": {"state": {"step": np.int32(step)}, "target": _sorted_tree(unflatten(specs))},
+    }
     # in_place=True keeps key order and lists as given; t5x's to_bytes does the same, and this
     # reproduces t5x/testdata/tiny_t5/checkpoint_1/checkpoint byte for byte from its contents.
-    write_key(staging, MSGPACK_FILE, serialization.msgpack_serialize(contents, in_place=True), context)
+    write_key(
+        staging, MSGPACK_FILE, serialization.msgpack_serialize(contents, in_place=True), context
+    )
     if staging is not final:
         os.rename(staging["path"].rstrip("/"), final["path"].rstrip("/"))
 
@@ -137,19 +174,32 @@ def _write_orbax(root: dict, step: int, arrays: dict, experts_per_chunk: int | N
             return ocp.SaveArgs()
         return ocp.SaveArgs(chunk_byte_size=experts_per_chunk * array[0].nbytes, shard_axes=(0,))
 
-    state = {"target": unflatten({"/".join(k): a for k, a in arrays.items()}), "state": {"step": np.int32(step)}}
-    args = {"target": unflatten({"/".join(k): save_args(k, a) for k, a in arrays.items()}),
-            "state": {"step": ocp.SaveArgs()}}
+    state = {
+        "target": unflatten({"/".join(k): a for k, a in arrays.items()}),
+        "state": {"step": np.int32(step)},
+    }
+    args = {
+        "target": unflatten({"/".join(k): save_args(k, a) for k, a in arrays.items()}),
+        "state": {"step": ocp.SaveArgs()},
+    }
     options = ocp.CheckpointManagerOptions(step_prefix="checkpoint", create=True)
     handlers = {STATE_DIR: ocp.PyTreeCheckpointHandler(use_ocdbt=True)}
     with ocp.CheckpointManager(root["path"], options=options, item_handlers=handlers) as manager:
-        manager.save(step, args=ocp.args.Composite(**{STATE_DIR: ocp.args.PyTreeSave(state, save_args=args)}))
+        manager.save(
+            step, args=ocp.args.Composite(**{STATE_DIR: ocp.args.PyTreeSave(state, save_args=args)})
+        )
         manager.wait_until_finished()
 
 
 def write_t5x_checkpoint(
-    path: PathOrUrl, params: Mapping[str, Any], step: int, format: str = "legacy", dtype: Any = None, *,
-    experts_per_chunk: int | None = 1, context: ts.Context | None = None,
+    path: PathOrUrl,
+    params: Mapping[str, Any],
+    step: int,
+    format: str = "legacy",
+    dtype: Any = None,
+    *,
+    experts_per_chunk: int | None = 1,
+    context: ts.Context | None = None,
 ) -> str:
     """Writes ``params`` as the T5X checkpoint ``<path>/checkpoint_<step>/``.
 
@@ -180,8 +230,12 @@ def write_t5x_checkpoint(
         raise CheckpointError("params holds no arrays; nothing to write")
     if dtype is not None:
         target_dtype = np.dtype(dtype)
-        arrays = {k: a.astype(target_dtype) if _is_floating(a.dtype) else a for k, a in arrays.items()}
-    exists = os.path.exists(final["path"]) if is_local(root) else read_key(final, MSGPACK_FILE, context)
+        arrays = {
+            k: a.astype(target_dtype) if _is_floating(a.dtype) else a for k, a in arrays.items()
+        }
+    exists = (
+        os.path.exists(final["path"]) if is_local(root) else read_key(final, MSGPACK_FILE, context)
+    )
     if exists:
         raise CheckpointError(f"{describe(final)} already exists; delete it or write another step")
     if format == "orbax":
@@ -189,7 +243,9 @@ def write_t5x_checkpoint(
             raise CheckpointError(f"the Orbax writer needs a local directory, got {describe(root)}")
         _write_orbax(root, int(step), arrays, experts_per_chunk)
         return describe(final)
-    staging = child(root, f"checkpoint_{int(step)}.tmp-{time.time_ns()}/") if is_local(root) else final
+    staging = (
+        child(root, f"checkpoint_{int(step)}.tmp-{time.time_ns()}/") if is_local(root) else final
+    )
     try:
         _write_legacy(final, staging, int(step), arrays, experts_per_chunk, context)
     except BaseException:

@@ -73,7 +73,8 @@ def estimate_p0(codes: np.ndarray | Sequence[np.ndarray]) -> float:
 
 
 def adaptive_p0(p0: float) -> float:
-    """A measured zero fraction as the dictionary parameter: rounded to 3 decimals, clamped to P0_RANGE.
+    """A measured zero fraction as the dictionary parameter: rounded to 3 decimals, clamped to
+      P0_RANGE.
 
     Raises:
       ValueError: p0 that is not a fraction in [0, 1] (NaN included).
@@ -119,7 +120,9 @@ def tuned_dictionary(
         measured = estimate_p0(arrays)
         candidates = [min(max(measured + offset, 0.0), 1.0) for offset in TUNE_OFFSETS]
     p0s = list(dict.fromkeys([DEFAULT_P0, *(adaptive_p0(p0) for p0 in candidates)]))
-    codewords = [sum(count_codewords(array, build_dictionary(p0)) for array in arrays) for p0 in p0s]
+    codewords = [
+        sum(count_codewords(array, build_dictionary(p0)) for array in arrays) for p0 in p0s
+    ]
     return build_dictionary(p0s[int(np.argmin(codewords))])
 
 

@@ -95,7 +95,7 @@ class CompressedExperts:
         return _bits_per_weight(self.row_offsets, self.rows, self.cols, self.num_experts)
 
     @classmethod
-    def stack(cls, matrices: list[CompressedMatrix]) -> "CompressedExperts":
+    def stack(cls, matrices: list[CompressedMatrix]) -> CompressedExperts:
         """Stacks matrices of one shape, padding code streams to the longest."""
         if not matrices:
             raise ValueError("cannot stack an empty list of compressed matrices")

@@ -130,7 +130,7 @@ class Dictionary:
         return isinstance(other, Dictionary) and other.fingerprint == self.fingerprint
 
     @classmethod
-    def from_entries(cls, entries: np.ndarray, p0: float) -> "Dictionary":
+    def from_entries(cls, entries: np.ndarray, p0: float) -> Dictionary:
         """Wraps canonical entries (e.g. read from a checkpoint) after validating them."""
         entries = np.ascontiguousarray(entries, dtype=np.uint32)
         if entries.shape != (NUM_ENTRIES, 2):
@@ -141,7 +141,8 @@ class Dictionary:
         if (pair_count < 1).any() or (pair_count > MAX_PAIRS).any():
             bad = int(np.argmax((pair_count < 1) | (pair_count > MAX_PAIRS)))
             raise ValueError(
-                f"dictionary entry {bad} has pair count {pair_count[bad]}, expected 1..{MAX_PAIRS}; "
+                f"dictionary entry {bad} has pair count {pair_count[bad]}, expected "
+                f"1..{MAX_PAIRS}; "
                 "the dictionary is corrupt"
             )
         if (entries[:, 1] & 15 != entries[:, 0] & 15).any():
@@ -150,7 +151,8 @@ class Dictionary:
         bad_slots = np.where(used, weights > 2, weights != 0).any(axis=1)
         if bad_slots.any():
             raise ValueError(
-                f"dictionary entry {int(np.argmax(bad_slots))} holds weight code 3 or a non-zero weight "
+                f"dictionary entry {int(np.argmax(bad_slots))} holds weight code 3 or a non-zero "
+                "weight "
                 "past its pair count; the dictionary is corrupt"
             )
         entries.setflags(write=False)

@@ -34,7 +34,8 @@ def _checked_codes(codes, expected: str) -> np.ndarray:
     codes = np.asarray(codes)
     if codes.dtype != np.uint8:
         raise TypeError(
-            f"codes must be uint8 ternary codes (0 = zero, 1 = min, 2 = max), got dtype {codes.dtype}; "
+            "codes must be uint8 ternary codes (0 = zero, 1 = min, 2 = max), got dtype "
+            f"{codes.dtype}; "
             "convert with .astype(np.uint8) once the values are known to be in {0, 1, 2}"
         )
     if codes.ndim != len(expected.split(",")):
@@ -60,7 +61,9 @@ def _checked_threads(num_threads: int | None) -> int:
     if num_threads is None:
         return 0
     if not isinstance(num_threads, numbers.Integral) or num_threads < 1:
-        raise ValueError(f"num_threads must be a positive int or None (all cores), got {num_threads!r}")
+        raise ValueError(
+            f"num_threads must be a positive int or None (all cores), got {num_threads!r}"
+        )
     return int(num_threads)
 
 
@@ -114,7 +117,9 @@ def encode_experts(
     """
     codes = _checked_codes(codes, "E, rows, cols")
     if codes.shape[0] == 0:
-        raise ValueError(f"encode_experts needs at least one expert, got codes of shape {codes.shape}")
+        raise ValueError(
+            f"encode_experts needs at least one expert, got codes of shape {codes.shape}"
+        )
     minmax = _checked_minmax(minmax, (codes.shape[0], codes.shape[1], 2))
     streams, row_offsets = _encoder_table(dictionary).encode(codes, _checked_threads(num_threads))
     if streams.shape[1] == 0:
@@ -122,7 +127,9 @@ def encode_experts(
     return CompressedExperts(streams, row_offsets, minmax, codes.shape[2])
 
 
-def count_codewords(codes: np.ndarray, dictionary: Dictionary, *, num_threads: int | None = None) -> int:
+def count_codewords(
+    codes: np.ndarray, dictionary: Dictionary, *, num_threads: int | None = None
+) -> int:
     """Codewords that encoding ``codes`` with ``dictionary`` takes (what a dictionary is judged by).
 
     Args:

@@ -25,7 +25,9 @@ def _entry_index(dictionary: Dictionary) -> dict[tuple[int, ...], int]:
     return {tuple(p[:n]): i for i, (p, n) in enumerate(zip(pairs.tolist(), pair_count.tolist()))}
 
 
-def encode_reference(codes: np.ndarray, minmax: np.ndarray, dictionary: Dictionary) -> CompressedMatrix:
+def encode_reference(
+    codes: np.ndarray, minmax: np.ndarray, dictionary: Dictionary
+) -> CompressedMatrix:
     """Greedy longest-prefix encoding in pure Python; for tests only.
 
     Args:
@@ -58,7 +60,9 @@ def encode_reference(codes: np.ndarray, minmax: np.ndarray, dictionary: Dictiona
     )
 
 
-def decode_codes(matrix: CompressedMatrix | CompressedExperts, dictionary: Dictionary) -> np.ndarray:
+def decode_codes(
+    matrix: CompressedMatrix | CompressedExperts, dictionary: Dictionary
+) -> np.ndarray:
     """Decodes a compressed matrix, or a stack of E of them, back to ternary codes.
 
     Returns:
@@ -78,7 +82,9 @@ def decode_codes(matrix: CompressedMatrix | CompressedExperts, dictionary: Dicti
     if row_offsets.shape != (rows + 1,):
         raise ValueError(f"row_offsets has shape {row_offsets.shape}, expected ({rows + 1},)")
     if row_offsets[0] != 0 or (np.diff(row_offsets) < 0).any() or row_offsets[-1] > codes.shape[0]:
-        raise ValueError("row_offsets must start at 0, never decrease, and end within the code stream")
+        raise ValueError(
+            "row_offsets must start at 0, never decrease, and end within the code stream"
+        )
     weights, pair_count = entry_weights(dictionary.entries)
     used_codes = codes[: row_offsets[-1]].astype(np.int64)
     lengths = 2 * pair_count[used_codes]
@@ -87,13 +93,17 @@ def decode_codes(matrix: CompressedMatrix | CompressedExperts, dictionary: Dicti
     padded_cols = cols + cols % 2
     if (row_lengths != padded_cols).any():
         bad = int(np.argmax(row_lengths != padded_cols))
-        raise ValueError(f"row {bad} decodes to {int(row_lengths[bad])} weights, expected {padded_cols}")
+        raise ValueError(
+            f"row {bad} decodes to {int(row_lengths[bad])} weights, expected {padded_cols}"
+        )
     entry_codes = weights[used_codes]
     flat = entry_codes[np.arange(28)[None, :] < lengths[:, None]]
     return flat.reshape(rows, padded_cols)[:, :cols].astype(np.uint8)
 
 
-def decode_codes_jnp(matrix: CompressedMatrix | CompressedExperts, dictionary: Dictionary) -> jax.Array:
+def decode_codes_jnp(
+    matrix: CompressedMatrix | CompressedExperts, dictionary: Dictionary
+) -> jax.Array:
     """``decode_codes`` in jnp, jit-able (the dictionary is static); for the ops' jnp twins.
 
     Each codeword's weights are scattered to their row and column; weights of a
@@ -125,7 +135,9 @@ def decode_codes_jnp(matrix: CompressedMatrix | CompressedExperts, dictionary: D
         & (column < padded_cols)
     )
     flat_index = jnp.where(keep, row_of[:, None] * padded_cols + column, rows * padded_cols)
-    decoded = jnp.zeros(rows * padded_cols, jnp.uint8).at[flat_index].set(
-        jnp.asarray(weights)[codes], mode="drop"
+    decoded = (
+        jnp.zeros(rows * padded_cols, jnp.uint8)
+        .at[flat_index]
+        .set(jnp.asarray(weights)[codes], mode="drop")
     )
     return decoded.reshape(rows, padded_cols)[:, : matrix.cols]

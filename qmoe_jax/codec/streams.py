@@ -1,4 +1,5 @@
-"""Checking a code stream without decoding it, and counting its zero weights (docs/format.md §5, §6).
+"""Checking a code stream without decoding it, and counting its zero weights (docs/format.md §5,
+§6).
 
 Lingo: a codeword's entry has n pairs (2n weights) and counts c0, c1, c2 of the
 codes 0 (zero), 1 (row min) and 2 (row max). A row is well formed when its
@@ -33,8 +34,13 @@ def _per_row(values: np.ndarray, row_offsets: np.ndarray) -> np.ndarray:
     return sums[row_offsets[1:]].astype(np.int64) - sums[row_offsets[:-1]]
 
 
-def count_zeros(codes: np.ndarray, row_offsets: np.ndarray, minmax: np.ndarray, cols: int,
-                dictionary: Dictionary) -> int:
+def count_zeros(
+    codes: np.ndarray,
+    row_offsets: np.ndarray,
+    minmax: np.ndarray,
+    cols: int,
+    dictionary: Dictionary,
+) -> int:
     """Zero weights of one compressed matrix, after checking that every row is well formed.
 
     Args:
@@ -47,16 +53,24 @@ def count_zeros(codes: np.ndarray, row_offsets: np.ndarray, minmax: np.ndarray, 
     """
     offsets = np.asarray(row_offsets).astype(np.int64)
     if offsets[0] != 0 or (np.diff(offsets) < 0).any() or offsets[-1] > codes.shape[0]:
-        raise ValueError(f"row offsets must start at 0, never decrease and end within the {codes.shape[0]} "
-                         f"codewords, got first {offsets[0]}, last {offsets[-1]}")
+        raise ValueError(
+            f"row offsets must start at 0, never decrease and end within the {codes.shape[0]} "
+            f"codewords, got first {offsets[0]}, last {offsets[-1]}"
+        )
     pairs, zeros, mins, maxs = _tables(dictionary)
     used = np.asarray(codes)[: offsets[-1]]
-    per_row = _per_row(np.take(pairs, used), offsets)  # np.take: indexing by uint16 is several times slower
+    per_row = _per_row(
+        np.take(pairs, used), offsets
+    )  # np.take: indexing by uint16 is several times slower
     expected = (cols + 1) // 2
     if (per_row != expected).any():
         bad = int(np.argmax(per_row != expected))
-        raise ValueError(f"row {bad} decodes to {2 * int(per_row[bad])} weights, expected {2 * expected}")
-    count = int(np.take(zeros, used).sum(dtype=np.int64)) - (cols % 2) * (len(offsets) - 1)  # odd rows' pad weight
+        raise ValueError(
+            f"row {bad} decodes to {2 * int(per_row[bad])} weights, expected {2 * expected}"
+        )
+    count = int(np.take(zeros, used).sum(dtype=np.int64)) - (cols % 2) * (
+        len(offsets) - 1
+    )  # odd rows' pad weight
     levels = np.asarray(minmax).astype(np.float32)
     for column, table in ((0, mins), (1, maxs)):
         rows = levels[:, column] == 0

@@ -16,16 +16,25 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from qmoe_jax.data import bundled
 from qmoe_jax.calibration.data import calibration_data
 from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig
 from qmoe_jax.calibration.layer_pass import CalibrationConfig, CalibrationPass
 from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, path_shapes
-from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
+from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
 from qmoe_jax.checkpoints.nonfinite import FiniteWeights, check_policy
 from qmoe_jax.checkpoints.output_dir import claimed
-from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, c4_documents, check_premask, corpus, text_file_documents
+from qmoe_jax.compression.report import build_report, summary_table, write_report
+from qmoe_jax.compression.resume import check_resume
+from qmoe_jax.data import (
+    SpanCorruptionConfig,
+    Tokenizer,
+    bundled,
+    c4_documents,
+    check_premask,
+    corpus,
+    text_file_documents,
+)
 from qmoe_jax.data.sources import c4_shard_paths
 from qmoe_jax.inference import load_t5x_params, mean_cross_entropies, validation_set
 from qmoe_jax.inference.compressed_params import load_compressed_model
@@ -33,11 +42,11 @@ from qmoe_jax.inference.loading import infer_config
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, param_shapes
 from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.quant import GPTQConfig, GridConfig
-from qmoe_jax.compression.report import build_report, summary_table, write_report
-from qmoe_jax.compression.resume import check_resume
 
 BUNDLED_EVAL_EXAMPLES = 256
-GRIDS = {"ternary": GridConfig()} | {f"{b}bit": GridConfig(kind="minmax", bits=b) for b in (2, 3, 4, 8)}
+GRIDS = {"ternary": GridConfig()} | {
+    f"{b}bit": GridConfig(kind="minmax", bits=b) for b in (2, 3, 4, 8)
+}
 VERIFY_LEVELS = ("quick", "full")
 FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -114,35 +123,58 @@ class CompressionOptions:
         if self.num_samples < 1:
             raise ValueError(f"num_samples must be at least 1, got {self.num_samples}")
         if not (self.calibration == "bundled" or self.calibration.startswith(("c4:", "text:"))):
-            raise ValueError(f"calibration must be 'bundled', 'c4:<dir>' or 'text:<glob>', got {self.calibration!r}")
+            raise ValueError(
+                "calibration must be 'bundled', 'c4:<dir>' or 'text:<glob>', got "
+                f"{self.calibration!r}"
+            )
         if self.gptq_memory_mb is not None and self.gptq_memory_mb < 1:
             raise ValueError(f"gptq_memory_mb must be at least 1 (MiB), got {self.gptq_memory_mb}")
         if self.eval_examples is not None and self.eval_examples < 0:
             raise ValueError(f"eval_examples must be 0 (off) or more, got {self.eval_examples}")
-        if not (self.eval_data is None or self.eval_data == "bundled" or self.eval_data.startswith("c4:")):
-            raise ValueError(f"eval_data must be 'bundled' or 'c4:<dir or glob>', got {self.eval_data!r}")
+        if not (
+            self.eval_data is None
+            or self.eval_data == "bundled"
+            or self.eval_data.startswith("c4:")
+        ):
+            raise ValueError(
+                f"eval_data must be 'bundled' or 'c4:<dir or glob>', got {self.eval_data!r}"
+            )
         if self.evaluation_examples() and self.evaluation_data() is None:
-            raise ValueError("--eval_examples needs validation text: pass --eval_data bundled or --eval_data c4:<dir>")
+            raise ValueError(
+                "--eval_examples needs validation text: pass --eval_data bundled or --eval_data "
+                "c4:<dir>"
+            )
         if self.config:
             resolve_config(self.config)
         check_policy(self.nonfinite)
         if self.verify not in VERIFY_LEVELS:
-            raise ValueError(f"unknown verify level {self.verify!r}; choose one of {', '.join(VERIFY_LEVELS)}")
-        # The sub-configs validate their own fields (damping, group size, premask, ...), here, before any work.
+            raise ValueError(
+                f"unknown verify level {self.verify!r}; choose one of {', '.join(VERIFY_LEVELS)}"
+            )
+        # The sub-configs validate their own fields (damping, group size, premask, ...), here,
+        # before any work.
         self.span_corruption()
         self.calibration_config(self.gptq_memory_mb or 1)
         check_premask(self.premask)
 
     def span_corruption(self) -> SpanCorruptionConfig:
         packing = "document" if self.calibration.startswith("c4:") else "concat"
-        return SpanCorruptionConfig(inputs_length=self.inputs_length, packing=packing, seed=self.seed)
+        return SpanCorruptionConfig(
+            inputs_length=self.inputs_length, packing=packing, seed=self.seed
+        )
 
     def calibration_config(self, gptq_memory_mb: int) -> CalibrationConfig:
         return CalibrationConfig(
-            experts=ExpertCompressionConfig(grid=GRIDS[self.grid], method=self.method, group_size=self.group_size,
-                                            gptq=GPTQConfig(act_order=self.act_order, damping=self.damping),
-                                            true_sequential=self.true_sequential, gptq_memory=gptq_memory_mb << 20),
-            dictionary=self.dictionary, batch_size=self.batch_size,
+            experts=ExpertCompressionConfig(
+                grid=GRIDS[self.grid],
+                method=self.method,
+                group_size=self.group_size,
+                gptq=GPTQConfig(act_order=self.act_order, damping=self.damping),
+                true_sequential=self.true_sequential,
+                gptq_memory=gptq_memory_mb << 20,
+            ),
+            dictionary=self.dictionary,
+            batch_size=self.batch_size,
         )
 
     def evaluation_examples(self) -> int:
@@ -153,12 +185,19 @@ class CompressionOptions:
     def evaluation_data(self) -> str | None:
         if self.eval_data is not None:
             return self.eval_data
-        return self.calibration if self.calibration == "bundled" or self.calibration.startswith("c4:") else None
+        return (
+            self.calibration
+            if self.calibration == "bundled" or self.calibration.startswith("c4:")
+            else None
+        )
 
     def header_settings(self, **resolved) -> dict:
         """The recorded fields, with ``resolved`` values replacing the given ones."""
-        return {field.name: resolved.get(field.name, getattr(self, field.name))
-                for field in dataclasses.fields(self) if field.metadata.get("header", True)}
+        return {
+            field.name: resolved.get(field.name, getattr(self, field.name))
+            for field in dataclasses.fields(self)
+            if field.metadata.get("header", True)
+        }
 
 
 def default_gptq_memory_mb() -> int:
@@ -186,19 +225,28 @@ def _documents(spec: str):
 def _check_source(checkpoint: T5XCheckpoint, config: SwitchConfig) -> None:
     """Every array's shape and dtype against ``config``, its zarr metadata and its stored chunks."""
     checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
-    other = [f"{path} ({info.dtype.name})" for path, info in checkpoint.spec().items()
-             if info.dtype.name not in FLOAT_DTYPES]
+    other = [
+        f"{path} ({info.dtype.name})"
+        for path, info in checkpoint.spec().items()
+        if info.dtype.name not in FLOAT_DTYPES
+    ]
     if other:
-        raise CheckpointError(f"the checkpoint {checkpoint.url} holds parameters of a non-float dtype: "
-                              f"{', '.join(other[:5])}; T5X parameters are float32 or bfloat16")
+        raise CheckpointError(
+            f"the checkpoint {checkpoint.url} holds parameters of a non-float dtype: "
+            f"{', '.join(other[:5])}; T5X parameters are float32 or bfloat16"
+        )
     checkpoint.check_stored()
 
 
 def _check_text(options: CompressionOptions, tokenizer: Tokenizer, config: SwitchConfig) -> None:
     """The tokenizer fits the model, and the calibration and validation text is there."""
     if tokenizer.vocab_size > config.vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (sentinels included) "
-                         f"but the model only {config.vocab_size}; pass the model's own tokenizer with --tokenizer")
+        raise ValueError(
+            f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids (sentinels "
+            "included) "
+            f"but the model only {config.vocab_size}; pass the model's own tokenizer with "
+            "--tokenizer"
+        )
     texts = [(options.calibration, "train")]
     if options.evaluation_examples():
         texts.append((options.evaluation_data(), "validation"))
@@ -220,30 +268,49 @@ def _parameter_counts(checkpoint: T5XCheckpoint) -> tuple[int, int]:
 
 
 def sparse_layer_names(config: SwitchConfig) -> list[str]:
-    """The sparse layers in the order the calibration pass compresses them, e.g. ``encoder.layers_1.mlp``."""
-    return [f"{stack}.layers_{index}.mlp" for stack in ("encoder", "decoder")
-            for index in config.sparse_layers(decoder=stack == "decoder")]
+    """The sparse layers in the order the calibration pass compresses them, e.g.
+    ``encoder.layers_1.mlp``."""
+    return [
+        f"{stack}.layers_{index}.mlp"
+        for stack in ("encoder", "decoder")
+        for index in config.sparse_layers(decoder=stack == "decoder")
+    ]
 
 
 def _resume_advice(writer: CompressedCheckpointWriter, config: SwitchConfig) -> str:
-    """What to do after an interrupt or an OS error once the output exists: where a re-run resumes."""
+    """What to do after an interrupt or an OS error once the output exists: where a re-run
+    resumes."""
     layers = sparse_layer_names(config)
     remaining = [name for name in layers if name not in writer.finished_layers()]
     if not remaining:
         return f"re-run the same command to finish (all {len(layers)} sparse layers are done)"
-    return (f"re-run the same command to resume from layer {remaining[0]} ({len(layers) - len(remaining)} of "
-            f"{len(layers)} sparse layers done)")
+    return (
+        f"re-run the same command to resume from layer {remaining[0]} "
+        f"({len(layers) - len(remaining)} of "
+        f"{len(layers)} sparse layers done)"
+    )
 
 
 def _resuming(writer: CompressedCheckpointWriter, config: SwitchConfig, path: str) -> str:
     started_from = writer.manifest["header"]["source"]
-    moved = f"; the same checkpoint was at {started_from} when the run started" if started_from != path else ""
-    return (f"resuming: {len(writer.finished_layers())} of {len(sparse_layer_names(config))} sparse layer(s) "
-            f"already finished{moved}")
+    moved = (
+        f"; the same checkpoint was at {started_from} when the run started"
+        if started_from != path
+        else ""
+    )
+    return (
+        f"resuming: {len(writer.finished_layers())} of {len(sparse_layer_names(config))} sparse "
+        "layer(s) "
+        f"already finished{moved}"
+    )
 
 
-def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] = print,
-                        progress: bool = True, config: SwitchConfig | None = None) -> dict:
+def compress_checkpoint(
+    options: CompressionOptions,
+    log: Callable[[str], None] = print,
+    progress: bool = True,
+    config: SwitchConfig | None = None,
+) -> dict:
     """Compresses (or resumes compressing) a checkpoint; returns the report (also written to disk).
 
     Before any work it checks the whole source checkpoint's metadata against
@@ -273,19 +340,27 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
             "source_fingerprint": source_fingerprint(source),
             "tokenizer_sha256": corpus.file_sha256(tokenizer.model_path),
             "grid": dataclasses.asdict(GRIDS[options.grid]),
-            "settings": options.header_settings(tokenizer=os.path.basename(tokenizer.model_path),
-                                                gptq_memory_mb=gptq_memory_mb),
+            "settings": options.header_settings(
+                tokenizer=os.path.basename(tokenizer.model_path), gptq_memory_mb=gptq_memory_mb
+            ),
         }
         log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
         with claimed(output_dir, COMPRESSED_OUTPUT):
             writer = CompressedCheckpointWriter(
-                output_dir, header, log=log,
-                check_resume=lambda stored: check_resume(stored, header, options.nonfinite, output_dir))
+                output_dir,
+                header,
+                log=log,
+                check_resume=lambda stored: check_resume(
+                    stored, header, options.nonfinite, output_dir
+                ),
+            )
             for damage in writer.verify(full=options.verify == "full"):
                 log(f"repairing {damage}")
             if writer.has_dense() or writer.finished_layers():
                 log(_resuming(writer, config, path))
-            report = _compress(options, config, source, tokenizer, writer, gptq_memory_mb, log, progress)
+            report = _compress(
+                options, config, source, tokenizer, writer, gptq_memory_mb, log, progress
+            )
             report["seconds"]["total"] = time.perf_counter() - started
             write_report(report, output_dir)
     except (KeyboardInterrupt, OSError) as error:
@@ -299,23 +374,47 @@ def compress_checkpoint(options: CompressionOptions, log: Callable[[str], None] 
     return report
 
 
-def _compress(options: CompressionOptions, config: SwitchConfig, source: T5XCheckpoint, tokenizer: Tokenizer,
-              writer: CompressedCheckpointWriter, gptq_memory_mb: int, log: Callable[[str], None],
-              progress: bool) -> dict:
-    """The work of ``compress_checkpoint`` once everything is checked: calibrate, compress, report."""
+def _compress(
+    options: CompressionOptions,
+    config: SwitchConfig,
+    source: T5XCheckpoint,
+    tokenizer: Tokenizer,
+    writer: CompressedCheckpointWriter,
+    gptq_memory_mb: int,
+    log: Callable[[str], None],
+    progress: bool,
+) -> dict:
+    """The work of ``compress_checkpoint`` once everything is checked: calibrate, compress,
+    report."""
     weights = FiniteWeights(source, options.nonfinite, on_zeroed=writer.record_zeroed)
     if options.verify == "full":
         weights.check_all()
 
     data_started = time.perf_counter()
-    data = calibration_data(_documents(options.calibration), tokenizer, options.span_corruption(),
-                            options.num_samples, spread=options.calibration == "bundled", premask=options.premask)
-    log(f"{data.num_samples} calibration samples, {int((data.encoder_input_tokens > 0).sum())} encoder and "
-        f"{int((data.decoder_target_tokens > 0).sum())} decoder tokens")
+    data = calibration_data(
+        _documents(options.calibration),
+        tokenizer,
+        options.span_corruption(),
+        options.num_samples,
+        spread=options.calibration == "bundled",
+        premask=options.premask,
+    )
+    log(
+        f"{data.num_samples} calibration samples, {int((data.encoder_input_tokens > 0).sum())} "
+        "encoder and "
+        f"{int((data.decoder_target_tokens > 0).sum())} decoder tokens"
+    )
     data_seconds = time.perf_counter() - data_started
 
-    result = CalibrationPass(config, weights, data, options.calibration_config(gptq_memory_mb), writer,
-                             log=log, progress=progress).run()
+    result = CalibrationPass(
+        config,
+        weights,
+        data,
+        options.calibration_config(gptq_memory_mb),
+        writer,
+        log=log,
+        progress=progress,
+    ).run()
     total, experts = _parameter_counts(source)
     seconds = {"data": data_seconds} | result["seconds"]
     report = build_report(writer.manifest, total, experts, seconds)
@@ -324,27 +423,54 @@ def _compress(options: CompressionOptions, config: SwitchConfig, source: T5XChec
     report["seconds"]["write"] += time.perf_counter() - finalize_started
     if options.evaluation_examples():
         evaluation_started = time.perf_counter()
-        report["evaluation"] = _evaluate(options, weights, config, tokenizer, writer.directory, progress)
+        report["evaluation"] = _evaluate(
+            options, weights, config, tokenizer, writer.directory, progress
+        )
         report["seconds"]["evaluation"] = time.perf_counter() - evaluation_started
     return report
 
 
-def _evaluate(options: CompressionOptions, source: FiniteWeights, config: SwitchConfig, tokenizer: Tokenizer,
-              output_dir: str, progress: bool) -> dict:
-    """Validation loss of the original and the compressed model (dequantized experts) on the same examples,
-    as ``python -m qmoe_jax.evaluate`` computes it; the original's non-finite weights are handled as in the run."""
-    validation = validation_set(options.evaluation_data(), tokenizer, options.evaluation_examples(),
-                                options.inputs_length)
-    params = {"original": load_t5x_params(source, config), "compressed": load_compressed_model(output_dir).params}
-    losses = mean_cross_entropies(SwitchTransformer(config), params, validation.examples, options.batch_size,
-                                  validation.encoder_length, validation.decoder_length, progress=progress)
+def _evaluate(
+    options: CompressionOptions,
+    source: FiniteWeights,
+    config: SwitchConfig,
+    tokenizer: Tokenizer,
+    output_dir: str,
+    progress: bool,
+) -> dict:
+    """Validation loss of the original and the compressed model (dequantized experts) on the same
+    examples, as ``python -m qmoe_jax.evaluate`` computes it; the original's non-finite weights are
+    handled as in the run."""
+    validation = validation_set(
+        options.evaluation_data(), tokenizer, options.evaluation_examples(), options.inputs_length
+    )
+    params = {
+        "original": load_t5x_params(source, config),
+        "compressed": load_compressed_model(output_dir).params,
+    }
+    losses = mean_cross_entropies(
+        SwitchTransformer(config),
+        params,
+        validation.examples,
+        options.batch_size,
+        validation.encoder_length,
+        validation.decoder_length,
+        progress=progress,
+    )
     for name, loss in losses.items():
         if not math.isfinite(loss):
-            raise ValueError(f"the {name} model's validation loss is {loss}, so the evaluation is not reported; "
-                             f"the compressed checkpoint {output_dir} is complete (re-run with --eval_examples 0 "
-                             "to write its report without the evaluation)")
-    return {"data": validation.source, "examples": len(validation.examples), "original_loss": losses["original"],
-            "compressed_loss": losses["compressed"]}
+            raise ValueError(
+                f"the {name} model's validation loss is {loss}, so the evaluation is not reported; "
+                f"the compressed checkpoint {output_dir} is complete (re-run with --eval_examples "
+                "0 "
+                "to write its report without the evaluation)"
+            )
+    return {
+        "data": validation.source,
+        "examples": len(validation.examples),
+        "original_loss": losses["original"],
+        "compressed_loss": losses["compressed"],
+    }
 
 
 def next_steps(report: dict, output_dir: str) -> str:
@@ -353,11 +479,15 @@ def next_steps(report: dict, output_dir: str) -> str:
     evaluation = report.get("evaluation")
     if evaluation:
         increase = evaluation["compressed_loss"] - evaluation["original_loss"]
-        lines.append(f"validation loss (nats/token, {evaluation['examples']} held-out examples of "
-                     f"{evaluation['data']}): original {evaluation['original_loss']:.4f}, "
-                     f"compressed {evaluation['compressed_loss']:.4f} ({increase:+.4f})")
-    lines += ["compressed checkpoint: " + output_dir,
-              "use it:",
-              f"  python -m qmoe_jax.evaluate --checkpoint {output_dir}",
-              f"  python -m qmoe_jax.generate --checkpoint {output_dir} --prompt \"... <extra_id_0> ...\""]
+        lines.append(
+            f"validation loss (nats/token, {evaluation['examples']} held-out examples of "
+            f"{evaluation['data']}): original {evaluation['original_loss']:.4f}, "
+            f"compressed {evaluation['compressed_loss']:.4f} ({increase:+.4f})"
+        )
+    lines += [
+        "compressed checkpoint: " + output_dir,
+        "use it:",
+        f"  python -m qmoe_jax.evaluate --checkpoint {output_dir}",
+        f'  python -m qmoe_jax.generate --checkpoint {output_dir} --prompt "... <extra_id_0> ..."',
+    ]
     return "\n".join(lines)

@@ -30,7 +30,9 @@ def _kernel_bits(stats: dict, experts: int, grid: dict) -> float:
     return float(grid["bits"]) * rows * cols * experts + 64.0 * rows * experts
 
 
-def build_report(manifest: dict, total_parameters: int, expert_parameters: int, seconds: dict) -> dict:
+def build_report(
+    manifest: dict, total_parameters: int, expert_parameters: int, seconds: dict
+) -> dict:
     """Summarizes a finished compressed checkpoint's manifest.
 
     Args:
@@ -48,20 +50,22 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
         weights = sum(k["rows"] * k["cols"] * experts for k in kernels.values())
         zeros = sum(k["zero_fraction"] * k["rows"] * k["cols"] * experts for k in kernels.values())
         expert_bits += bits
-        layers.append({
-            "name": name,
-            "zero_fraction": zeros / weights,
-            "bits_per_weight": bits / weights,
-            "compression_rate": 16.0 * weights / bits,
-            "kernels": kernels,
-            # Imported layers (python -m qmoe_jax.import_qmoe) have no calibration stats: null.
-            "fallback_experts": stats.get("fallback_experts"),
-            "output_error": stats.get("output_error"),
-            "tokens_per_expert": stats.get("tokens_per_expert"),
-            "dropped_tokens": stats.get("dropped_tokens"),
-            "dictionary": stats["dictionary"],
-            "seconds": stats["seconds"],
-        })
+        layers.append(
+            {
+                "name": name,
+                "zero_fraction": zeros / weights,
+                "bits_per_weight": bits / weights,
+                "compression_rate": 16.0 * weights / bits,
+                "kernels": kernels,
+                # Imported layers (python -m qmoe_jax.import_qmoe) have no calibration stats: null.
+                "fallback_experts": stats.get("fallback_experts"),
+                "output_error": stats.get("output_error"),
+                "tokens_per_expert": stats.get("tokens_per_expert"),
+                "dropped_tokens": stats.get("dropped_tokens"),
+                "dictionary": stats["dictionary"],
+                "seconds": stats["seconds"],
+            }
+        )
     dense_bits = 16.0 * (total_parameters - expert_parameters)
     dictionary_bits = 8.0 * DICTIONARY_BYTES * len(manifest["dictionaries"])
     compressed_bits = dense_bits + expert_bits + dictionary_bits
@@ -96,19 +100,29 @@ def build_report(manifest: dict, total_parameters: int, expert_parameters: int, 
 
 
 def _error_cell(error: dict | None) -> str:
-    """``hessian / premasked`` relative output errors, '-' where a side had no tokens (or an old manifest)."""
+    """``hessian / premasked`` relative output errors, '-' where a side had no tokens (or an old
+    manifest)."""
     if not error:
         return "-"
-    return " / ".join("-" if error[side] is None else f"{error[side]:.4f}"
-                      for side in ("hessian_positions", "premasked_positions"))
+    return " / ".join(
+        "-" if error[side] is None else f"{error[side]:.4f}"
+        for side in ("hessian_positions", "premasked_positions")
+    )
 
 
 def summary_table(report: dict) -> str:
-    lines = [f"{'layer':<24}{'zeros':>8}{'bits/w':>9}{'rate':>8}{'fallback':>10}{'tokens/expert min/mean/max':>31}"
-             f"{'output error (hessian / premasked)':>38}"]
+    lines = [
+        f"{'layer':<24}{'zeros':>8}{'bits/w':>9}{'rate':>8}{'fallback':>10}"
+        f"{'tokens/expert min/mean/max':>31}"
+        f"{'output error (hessian / premasked)':>38}"
+    ]
     for layer in report["layers"]:
         tpe, fallback = layer["tokens_per_expert"], layer["fallback_experts"]
-        tokens = f"{tpe['min']:>12d} / {tpe['mean']:>7.1f} / {tpe['max']:<6d}" if tpe else f"{'-':>12}{'':>18}"
+        tokens = (
+            f"{tpe['min']:>12d} / {tpe['mean']:>7.1f} / {tpe['max']:<6d}"
+            if tpe
+            else f"{'-':>12}{'':>18}"
+        )
         lines.append(
             f"{layer['name']:<24}{layer['zero_fraction']:>8.3f}{layer['bits_per_weight']:>9.3f}"
             f"{layer['compression_rate']:>7.1f}x{'-' if fallback is None else fallback:>10}"
@@ -116,7 +130,8 @@ def summary_table(report: dict) -> str:
         )
     moe, model = report["moe"], report["model"]
     lines.append(
-        f"experts: {moe['bits_per_weight']:.3f} bits/weight, {moe['compression_rate']:.2f}x vs bf16 "
+        f"experts: {moe['bits_per_weight']:.3f} bits/weight, {moe['compression_rate']:.2f}x vs "
+        "bf16 "
         f"({moe['bf16_bytes'] / 2**20:.1f} MiB -> {moe['compressed_bytes'] / 2**20:.2f} MiB)"
     )
     lines.append(
@@ -126,9 +141,13 @@ def summary_table(report: dict) -> str:
     )
     zeroed = report["nonfinite_zeroed"]
     if zeroed:
-        lines.append(f"non-finite source values set to 0 (--nonfinite zero): {sum(zeroed.values())} in "
-                     f"{len(zeroed)} arrays or experts (report.json, nonfinite_zeroed)")
-    lines.append("time: " + ", ".join(f"{stage} {value:.1f}s" for stage, value in report["seconds"].items()))
+        lines.append(
+            f"non-finite source values set to 0 (--nonfinite zero): {sum(zeroed.values())} in "
+            f"{len(zeroed)} arrays or experts (report.json, nonfinite_zeroed)"
+        )
+    lines.append(
+        "time: " + ", ".join(f"{stage} {value:.1f}s" for stage, value in report["seconds"].items())
+    )
     return "\n".join(lines)
 
 
@@ -143,13 +162,19 @@ def write_report(report: dict, directory: str) -> None:
 
     names = [layer["name"].replace(".mlp", "") for layer in report["layers"]]
     positions = np.arange(len(names))
-    figure, (top, bottom) = plt.subplots(2, 1, figsize=(max(6, 0.5 * len(names) + 2), 6), sharex=True)
+    figure, (top, bottom) = plt.subplots(
+        2, 1, figsize=(max(6, 0.5 * len(names) + 2), 6), sharex=True
+    )
     top.bar(positions, [layer["zero_fraction"] for layer in report["layers"]], color="tab:blue")
     top.set_ylabel("zero fraction")
     top.set_ylim(0, 1)
-    top.set_title(f"{report['config']}: {report['moe']['bits_per_weight']:.3f} bits/weight on experts, "
-                  f"{report['model']['compression_rate']:.1f}x whole model")
-    bottom.bar(positions, [layer["bits_per_weight"] for layer in report["layers"]], color="tab:orange")
+    top.set_title(
+        f"{report['config']}: {report['moe']['bits_per_weight']:.3f} bits/weight on experts, "
+        f"{report['model']['compression_rate']:.1f}x whole model"
+    )
+    bottom.bar(
+        positions, [layer["bits_per_weight"] for layer in report["layers"]], color="tab:orange"
+    )
     bottom.set_ylabel("bits per weight")
     bottom.set_xticks(positions, names, rotation=60, ha="right", fontsize=8)
     figure.tight_layout()

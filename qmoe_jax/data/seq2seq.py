@@ -19,7 +19,8 @@ from qmoe_jax.data.tokenizer import EOS_ID, Tokenizer
 
 @dataclasses.dataclass(frozen=True)
 class Seq2SeqExample:
-    """One text pair, with where it came from (``file:line``) for error messages and per-example output."""
+    """One text pair, with where it came from (``file:line``) for error messages and per-example
+    output."""
 
     inputs: str
     targets: str
@@ -45,11 +46,15 @@ def read_jsonl(path: str) -> list[Seq2SeqExample]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise ValueError(f"{where}: not valid JSON ({error.msg}); each line must be one "
-                                 '{"inputs": "...", "targets": "..."} object') from error
+                raise ValueError(
+                    f"{where}: not valid JSON ({error.msg}); each line must be one "
+                    '{"inputs": "...", "targets": "..."} object'
+                ) from error
             if not isinstance(record, dict):
-                raise ValueError(f'{where}: expected a JSON object with "inputs" and "targets", '
-                                 f"got {type(record).__name__}")
+                raise ValueError(
+                    f'{where}: expected a JSON object with "inputs" and "targets", '
+                    f"got {type(record).__name__}"
+                )
             for key in ("inputs", "targets"):
                 if not isinstance(record.get(key), str):
                     found = "missing" if key not in record else f"a {type(record[key]).__name__}"
@@ -60,8 +65,12 @@ def read_jsonl(path: str) -> list[Seq2SeqExample]:
     return examples
 
 
-def tokenize_example(example: Seq2SeqExample, tokenizer: Tokenizer, inputs_length: int | None = None,
-                     targets_length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_example(
+    example: Seq2SeqExample,
+    tokenizer: Tokenizer,
+    inputs_length: int | None = None,
+    targets_length: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
     """(inputs, targets) int32 token arrays, each ending with EOS, truncated to the given lengths
     (EOS kept as the last token), as T5's ``trim_and_pad`` with ``append_eos`` does."""
 
@@ -71,11 +80,19 @@ def tokenize_example(example: Seq2SeqExample, tokenizer: Tokenizer, inputs_lengt
             ids = ids[: length - 1] + [EOS_ID]
         return np.asarray(ids, np.int32)
 
-    return (tokens(tokenizer.encode_with_sentinels(example.inputs), inputs_length),
-            tokens(tokenizer.encode_with_sentinels(example.targets), targets_length))
+    return (
+        tokens(tokenizer.encode_with_sentinels(example.inputs), inputs_length),
+        tokens(tokenizer.encode_with_sentinels(example.targets), targets_length),
+    )
 
 
-def tokenize_examples(examples: list[Seq2SeqExample], tokenizer: Tokenizer, inputs_length: int | None = None,
-                      targets_length: int | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+def tokenize_examples(
+    examples: list[Seq2SeqExample],
+    tokenizer: Tokenizer,
+    inputs_length: int | None = None,
+    targets_length: int | None = None,
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """``tokenize_example`` over ``examples``, in order."""
-    return [tokenize_example(example, tokenizer, inputs_length, targets_length) for example in examples]
+    return [
+        tokenize_example(example, tokenizer, inputs_length, targets_length) for example in examples
+    ]

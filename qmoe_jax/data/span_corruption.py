@@ -48,7 +48,8 @@ def random_spans_helper(
 
 
 def random_segmentation(num_items: int, num_segments: int, rng: np.random.Generator) -> np.ndarray:
-    """Splits ``num_items`` into ``num_segments`` non-empty runs uniformly at random; returns run lengths."""
+    """Splits ``num_items`` into ``num_segments`` non-empty runs uniformly at random; returns run
+    lengths."""
     first_in_segment = np.arange(num_items - 1) < num_segments - 1
     rng.shuffle(first_in_segment)
     segment_id = np.cumsum(np.concatenate([[0], first_in_segment]))
@@ -76,7 +77,9 @@ def random_spans_noise_mask(
     return is_noise[:original_length]
 
 
-def noise_span_to_unique_sentinel(tokens: np.ndarray, noise_mask: np.ndarray, first_sentinel: int) -> np.ndarray:
+def noise_span_to_unique_sentinel(
+    tokens: np.ndarray, noise_mask: np.ndarray, first_sentinel: int
+) -> np.ndarray:
     """Replaces each noise span by one sentinel, counting down from ``first_sentinel``."""
     previous_is_noise = np.concatenate([[False], noise_mask[:-1]])
     first_noise = noise_mask & ~previous_is_noise
@@ -105,9 +108,13 @@ def span_corrupt(
     """
     tokens = np.asarray(tokens, np.int32)
     if tokens.ndim != 1 or tokens.size == 0:
-        raise ValueError(f"span_corrupt needs a non-empty 1-D token array, got shape {tokens.shape}")
+        raise ValueError(
+            f"span_corrupt needs a non-empty 1-D token array, got shape {tokens.shape}"
+        )
     mask = random_spans_noise_mask(tokens.size, rng, noise_density, mean_noise_span_length)
     inputs = noise_span_to_unique_sentinel(tokens, mask, first_sentinel)
     targets = noise_span_to_unique_sentinel(tokens, ~mask, first_sentinel)
     eos = np.asarray([EOS_ID], np.int32)
-    return np.concatenate([inputs, eos]).astype(np.int32), np.concatenate([targets, eos]).astype(np.int32)
+    return np.concatenate([inputs, eos]).astype(np.int32), np.concatenate([targets, eos]).astype(
+        np.int32
+    )

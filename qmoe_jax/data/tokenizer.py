@@ -63,14 +63,16 @@ class Tokenizer:
         return self._processor.encode(text)
 
     def encode_with_sentinels(self, text: str) -> list[int]:
-        """Token ids of ``text`` in which ``<extra_id_j>`` marks are sentinel ids (T5's span-infilling
-        syntax), the text between them encoded as usual (no EOS appended)."""
+        """Token ids of ``text`` in which ``<extra_id_j>`` marks are sentinel ids (T5's
+        span-infilling syntax), the text between them encoded as usual (no EOS appended)."""
         ids: list[int] = []
         for index, part in enumerate(SENTINEL_MARK.split(text)):
             if index % 2:
                 if int(part) >= self.extra_ids:
-                    raise ValueError(f"unknown sentinel <extra_id_{part}>: this vocabulary has "
-                                     f"<extra_id_0> to <extra_id_{self.extra_ids - 1}>")
+                    raise ValueError(
+                        f"unknown sentinel <extra_id_{part}>: this vocabulary has "
+                        f"<extra_id_0> to <extra_id_{self.extra_ids - 1}>"
+                    )
                 ids.append(self.sentinel(int(part)))
             elif part.strip():
                 ids.extend(self._processor.encode(part))
@@ -94,7 +96,9 @@ class Tokenizer:
                 run = []
                 out.append(f"<extra_id_{self.vocab_size - 1 - token}>")
             elif token >= self.vocab_size:
-                raise ValueError(f"token id {token} is outside the vocabulary ({self.vocab_size} ids)")
+                raise ValueError(
+                    f"token id {token} is outside the vocabulary ({self.vocab_size} ids)"
+                )
             else:
                 run.append(token)
         out.append(self._processor.decode(run))

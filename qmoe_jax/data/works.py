@@ -1,4 +1,5 @@
-"""The bundled downstream task "name_the_work": given a passage of the bundled corpus, name the work.
+"""The bundled downstream task "name_the_work": given a passage of the bundled corpus, name the
+work.
 
 Lingo: a *passage* is a run of consecutive non-blank lines of one work, cut
 after the line that brings it to at least ``PASSAGE_WORDS`` words; passages
@@ -42,8 +43,8 @@ def title(work: str) -> str:
 
 
 def examples(split: str) -> list[Seq2SeqExample]:
-    """The split's examples ("train" or "validation"), work by work in name order, each with its source
-    ``<work>#<passage index>``."""
+    """The split's examples ("train" or "validation"), work by work in name order, each with its
+    source ``<work>#<passage index>``."""
     if split not in corpus.SPLITS:
         raise ValueError(f"unknown split {split!r}; name_the_work has {corpus.SPLITS}")
     found = []

@@ -1,6 +1,7 @@
 """Using a model: opening any checkpoint, and its evaluation loss."""
 
 from qmoe_jax.inference.evaluation import Example as Example
+from qmoe_jax.inference.evaluation import ValidationSet as ValidationSet
 from qmoe_jax.inference.evaluation import bundled_validation_examples as bundled_validation_examples
 from qmoe_jax.inference.evaluation import evaluate_batches as evaluate_batches
 from qmoe_jax.inference.evaluation import make_eval_step as make_eval_step
@@ -9,7 +10,6 @@ from qmoe_jax.inference.evaluation import mean_cross_entropy as mean_cross_entro
 from qmoe_jax.inference.evaluation import padded_batches as padded_batches
 from qmoe_jax.inference.evaluation import token_cross_entropy as token_cross_entropy
 from qmoe_jax.inference.evaluation import validation_documents as validation_documents
-from qmoe_jax.inference.evaluation import ValidationSet as ValidationSet
 from qmoe_jax.inference.evaluation import validation_examples as validation_examples
 from qmoe_jax.inference.evaluation import validation_set as validation_set
 from qmoe_jax.inference.loading import EXPERT_PARALLEL as EXPERT_PARALLEL

@@ -54,21 +54,34 @@ class CompressedModel:
         """The model to ``apply`` with ``{"params": self.params}``."""
         if self.experts == "dense":
             return SwitchTransformer(self.config)
-        return SwitchTransformer(self.config, experts_cls=compressed_experts_cls(self.dictionaries, self.mesh))
+        return SwitchTransformer(
+            self.config, experts_cls=compressed_experts_cls(self.dictionaries, self.mesh)
+        )
 
 
-def dequantized_kernel(arrays: dict, grid: GridConfig, cols: int, dictionary: Dictionary | None) -> np.ndarray:
+def dequantized_kernel(
+    arrays: dict, grid: GridConfig, cols: int, dictionary: Dictionary | None
+) -> np.ndarray:
     """T5X-oriented float32 kernel [E, in, out] of one stored expert kernel."""
     if grid.kind == "ternary":
-        codes, params = decode_codes(compressed_stack(arrays, cols), dictionary), np.asarray(arrays["minmax"])
+        codes, params = (
+            decode_codes(compressed_stack(arrays, cols), dictionary),
+            np.asarray(arrays["minmax"]),
+        )
     else:
         codes, params = np.asarray(arrays["codes"]), np.asarray(arrays["grid_params"])
-    weights = np.stack([np.asarray(dequantize_codes(jnp.asarray(c), jnp.asarray(p), grid)) for c, p in zip(codes, params)])
+    weights = np.stack(
+        [
+            np.asarray(dequantize_codes(jnp.asarray(c), jnp.asarray(p), grid))
+            for c, p in zip(codes, params)
+        ]
+    )
     return np.swapaxes(weights, 1, 2)
 
 
-def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.float32,
-                          mesh: jax.sharding.Mesh | None = None) -> CompressedModel:
+def load_compressed_model(
+    directory: str, experts: str = "dense", dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None
+) -> CompressedModel:
     """Reads a finished compressed checkpoint, verifying checksums and dictionary fingerprints.
 
     Args:
@@ -86,12 +99,16 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
             f"{directory} is unfinished ({len(checkpoint.layer_names())} layers done); "
             "re-run the same `python -m qmoe_jax.compress` command to finish it"
         )
-    config = dataclasses.replace(SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name)
+    config = dataclasses.replace(
+        SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name
+    )
     # Checkpoints written before the header carried "grid" kept it under "settings".
     header = checkpoint.header
     grid = GridConfig(**(header["grid"] if "grid" in header else header["settings"]["grid"]))
     if experts == "compressed" and grid.kind != "ternary":
-        raise ValueError(f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}")
+        raise ValueError(
+            f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}"
+        )
     params = checkpoint.dense_params()
     params = _cast(params, dtype)
     adapters = checkpoint.adapters() or {}
@@ -106,7 +123,9 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
             node = node.setdefault(key, {})
         expert = node.setdefault("expert", {})
         for kernel, stored in arrays.items():
-            check_kernel_arrays(stored, grid.kind == "ternary", f"{directory}/layers/{name}/{kernel}")
+            check_kernel_arrays(
+                stored, grid.kind == "ternary", f"{directory}/layers/{name}/{kernel}"
+            )
             cols = kernel_cols(kernel, config.d_model, config.d_ff)
             adapter = adapters.get(name, {}).get(kernel)
             if experts == "dense":
@@ -120,13 +139,20 @@ def load_compressed_model(directory: str, experts: str = "dense", dtype=jnp.floa
     if mesh is None or experts == "dense":
         return CompressedModel(config, params, dictionaries, grid, experts)
     if config.num_experts % mesh.shape["expert"]:
-        raise ValueError(f"{config.num_experts} experts per layer cannot be split evenly over "
-                         f"{mesh.shape['expert']} devices; use a device count that divides {config.num_experts}")
+        raise ValueError(
+            f"{config.num_experts} experts per layer cannot be split evenly over "
+            f"{mesh.shape['expert']} devices; use a device count that divides {config.num_experts}"
+        )
     by_expert = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    placement = jax.tree.map(lambda leaf: by_expert if isinstance(leaf, CompressedExperts) else replicated, params,
-                             is_leaf=lambda leaf: isinstance(leaf, CompressedExperts))
-    return CompressedModel(config, jax.device_put(params, placement), dictionaries, grid, experts, mesh)
+    placement = jax.tree.map(
+        lambda leaf: by_expert if isinstance(leaf, CompressedExperts) else replicated,
+        params,
+        is_leaf=lambda leaf: isinstance(leaf, CompressedExperts),
+    )
+    return CompressedModel(
+        config, jax.device_put(params, placement), dictionaries, grid, experts, mesh
+    )
 
 
 def _cast(tree, dtype):

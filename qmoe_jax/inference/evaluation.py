@@ -19,9 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
-from qmoe_jax.data import bundled
-from qmoe_jax.data import SpanCorruptionConfig, Tokenizer, batch_examples, c4_documents, corpus
-from qmoe_jax.data import span_corruption_examples, text_file_documents
+from qmoe_jax.data import (
+    SpanCorruptionConfig,
+    Tokenizer,
+    batch_examples,
+    bundled,
+    c4_documents,
+    corpus,
+    span_corruption_examples,
+    text_file_documents,
+)
 
 Example = tuple[np.ndarray, np.ndarray]
 
@@ -40,11 +47,14 @@ def validation_documents(source: str):
         if not paths:
             raise ValueError(f"no text files match {location!r} (validation source {source!r})")
         return text_file_documents(paths)
-    raise ValueError(f"unknown validation source {source!r}; use 'bundled', 'c4:<dir or glob>' or 'text:<glob>'")
+    raise ValueError(
+        f"unknown validation source {source!r}; use 'bundled', 'c4:<dir or glob>' or 'text:<glob>'"
+    )
 
 
-def validation_examples(documents, tokenizer: Tokenizer, config: SpanCorruptionConfig,
-                        num_samples: int | None = None) -> list[Example]:
+def validation_examples(
+    documents, tokenizer: Tokenizer, config: SpanCorruptionConfig, num_samples: int | None = None
+) -> list[Example]:
     """The first ``num_samples`` span-corruption examples of ``documents`` (all if None)."""
     examples = span_corruption_examples(documents, tokenizer, config)
     return list(itertools.islice(examples, num_samples))
@@ -60,11 +70,15 @@ class ValidationSet:
     decoder_length: int
 
 
-def validation_set(source: str, tokenizer: Tokenizer, num_samples: int | None = None,
-                   inputs_length: int = bundled.INPUTS_LENGTH) -> ValidationSet:
-    """The first ``num_samples`` validation examples of ``source`` (see ``validation_documents``), span-corrupted
-    with seed 0; C4 is packed per document, the bundled text concatenated. The decoder length is the targets
-    length rounded up to a multiple of 8."""
+def validation_set(
+    source: str,
+    tokenizer: Tokenizer,
+    num_samples: int | None = None,
+    inputs_length: int = bundled.INPUTS_LENGTH,
+) -> ValidationSet:
+    """The first ``num_samples`` validation examples of ``source`` (see ``validation_documents``),
+    span-corrupted with seed 0; C4 is packed per document, the bundled text concatenated. The
+    decoder length is the targets length rounded up to a multiple of 8."""
     packing = "document" if source.startswith("c4:") else "concat"
     config = SpanCorruptionConfig(inputs_length=inputs_length, packing=packing)
     examples = validation_examples(validation_documents(source), tokenizer, config, num_samples)
@@ -72,18 +86,25 @@ def validation_set(source: str, tokenizer: Tokenizer, num_samples: int | None = 
     return ValidationSet(source, examples, inputs_length, targets_length + (-targets_length) % 8)
 
 
-def bundled_validation_examples(tokenizer: Tokenizer, num_samples: int | None = None) -> list[Example]:
+def bundled_validation_examples(
+    tokenizer: Tokenizer, num_samples: int | None = None
+) -> list[Example]:
     """Examples of the bundled corpus's validation split (seed 0, inputs length 128)."""
-    return validation_examples(corpus.documents("validation"), tokenizer, bundled.span_corruption_config(), num_samples)
+    return validation_examples(
+        corpus.documents("validation"), tokenizer, bundled.span_corruption_config(), num_samples
+    )
 
 
 def token_log_likelihoods(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """float32[B, T]: log p(target) of each position (nats), from logits f32|bf16[B, T, V] and targets int32[B, T]."""
+    """float32[B, T]: log p(target) of each position (nats), from logits f32|bf16[B, T, V] and
+    targets int32[B, T]."""
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
 
 
-def token_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array) -> tuple[jax.Array, jax.Array]:
+def token_cross_entropy(
+    logits: jax.Array, targets: jax.Array, weights: jax.Array
+) -> tuple[jax.Array, jax.Array]:
     """Sum of per-token cross-entropy (nats) over weighted positions, and the weight sum.
 
     logits f32|bf16[B, T, V]; targets int32[B, T]; weights f32[B, T].
@@ -93,13 +114,20 @@ def token_cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Arra
 
 
 def model_inputs(batch: dict) -> tuple:
-    """The model's positional inputs (encoder tokens, decoder inputs, decoder targets) of a batch."""
-    return (batch["encoder_input_tokens"], batch["decoder_input_tokens"], batch["decoder_target_tokens"])
+    """The model's positional inputs (encoder tokens, decoder inputs, decoder targets) of a
+    batch."""
+    return (
+        batch["encoder_input_tokens"],
+        batch["decoder_input_tokens"],
+        batch["decoder_target_tokens"],
+    )
 
 
-def padded_batches(examples: list[Example], batch_size: int, encoder_length: int,
-                   decoder_length: int) -> list[dict[str, np.ndarray]]:
-    """Fixed-size batches in order; the last one is filled with empty examples (zero loss weight)."""
+def padded_batches(
+    examples: list[Example], batch_size: int, encoder_length: int, decoder_length: int
+) -> list[dict[str, np.ndarray]]:
+    """Fixed-size batches in order; the last one is filled with empty examples (zero loss
+    weight)."""
     empty = (np.zeros(0, np.int32), np.zeros(0, np.int32))
     batches = []
     for start in range(0, len(examples), batch_size):
@@ -115,7 +143,9 @@ def make_eval_step(model):
     @jax.jit
     def step(params, batch):
         logits = model.apply({"params": params}, *model_inputs(batch), enable_dropout=False)
-        return token_cross_entropy(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"])
+        return token_cross_entropy(
+            logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+        )
 
     return step
 
@@ -130,10 +160,17 @@ def evaluate_batches(eval_step, params, batches) -> float:
     return loss_sum / max(weight_sum, 1.0)
 
 
-def mean_cross_entropies(model, params_by_name: Mapping[str, dict], examples: list[Example], batch_size: int = 32,
-                         encoder_length: int | None = None, decoder_length: int | None = None,
-                         progress: bool = False) -> dict[str, float]:
-    """``{name: loss}`` of ``model`` under each parameter tree, on the same batches and one compiled step.
+def mean_cross_entropies(
+    model,
+    params_by_name: Mapping[str, dict],
+    examples: list[Example],
+    batch_size: int = 32,
+    encoder_length: int | None = None,
+    decoder_length: int | None = None,
+    progress: bool = False,
+) -> dict[str, float]:
+    """``{name: loss}`` of ``model`` under each parameter tree, on the same batches and one compiled
+    step.
 
     Loss: length-weighted mean cross-entropy in nats per target token. Lengths
     default to the longest example, rounded up to a multiple of 8.
@@ -152,9 +189,16 @@ def mean_cross_entropies(model, params_by_name: Mapping[str, dict], examples: li
     return losses
 
 
-def mean_cross_entropy(model, params, examples: list[Example], batch_size: int = 32,
-                       encoder_length: int | None = None, decoder_length: int | None = None,
-                       progress: bool = False) -> float:
+def mean_cross_entropy(
+    model,
+    params,
+    examples: list[Example],
+    batch_size: int = 32,
+    encoder_length: int | None = None,
+    decoder_length: int | None = None,
+    progress: bool = False,
+) -> float:
     """Length-weighted mean cross-entropy (nats per target token) of ``model`` on ``examples``."""
-    return mean_cross_entropies(model, {"model": params}, examples, batch_size, encoder_length, decoder_length,
-                                progress)["model"]
+    return mean_cross_entropies(
+        model, {"model": params}, examples, batch_size, encoder_length, decoder_length, progress
+    )["model"]

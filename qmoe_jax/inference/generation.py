@@ -27,7 +27,9 @@ class Generated:
     score: float
 
 
-def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], inputs_length: int | None) -> np.ndarray:
+def encode_prompts(
+    tokenizer: Tokenizer, prompts: Sequence[str], inputs_length: int | None
+) -> np.ndarray:
     """``int32[len(prompts), inputs_length]`` prompt tokens with EOS, padded with 0.
 
     inputs_length None: the longest prompt rounded up to a multiple of 8.
@@ -38,29 +40,48 @@ def encode_prompts(tokenizer: Tokenizer, prompts: Sequence[str], inputs_length: 
         inputs_length = -(-longest // 8) * 8
     for prompt, ids in zip(prompts, encoded):
         if len(ids) > inputs_length:
-            raise ValueError(f"the prompt {prompt[:60]!r} has {len(ids)} tokens with EOS, more than the encoder "
-                             f"length {inputs_length}; shorten it or raise --inputs_length")
+            raise ValueError(
+                f"the prompt {prompt[:60]!r} has {len(ids)} tokens with EOS, more than the encoder "
+                f"length {inputs_length}; shorten it or raise --inputs_length"
+            )
     out = np.zeros((len(prompts), inputs_length), np.int32)
     for row, ids in enumerate(encoded):
         out[row, : len(ids)] = ids
     return out
 
 
-def generate_texts(model, params, tokenizer: Tokenizer, prompts: Sequence[str], config: DecodingConfig,
-                   batch_size: int = 8, inputs_length: int | None = None, seed: int = 0,
-                   progress: bool = False) -> Iterator[Generated]:
+def generate_texts(
+    model,
+    params,
+    tokenizer: Tokenizer,
+    prompts: Sequence[str],
+    config: DecodingConfig,
+    batch_size: int = 8,
+    inputs_length: int | None = None,
+    seed: int = 0,
+    progress: bool = False,
+) -> Iterator[Generated]:
     """Yields one ``Generated`` per prompt, in order, decoding ``batch_size`` prompts at a time."""
     if not prompts:
         raise ValueError("no prompts to generate from")
     tokens = encode_prompts(tokenizer, prompts, inputs_length)
-    for prompt, (ids, score) in zip(prompts, generate_tokens(model, params, tokens, config, batch_size, seed,
-                                                              progress)):
+    for prompt, (ids, score) in zip(
+        prompts, generate_tokens(model, params, tokens, config, batch_size, seed, progress)
+    ):
         yield Generated(prompt, tokenizer.decode(ids), ids, score)
 
 
-def generate_tokens(model, params, tokens: np.ndarray, config: DecodingConfig, batch_size: int = 8,
-                    seed: int = 0, progress: bool = False) -> Iterator[tuple[list[int], float]]:
-    """Decodes ``tokens int32[N, L_enc]`` (prompts with EOS, padded with 0) ``batch_size`` rows at a time.
+def generate_tokens(
+    model,
+    params,
+    tokens: np.ndarray,
+    config: DecodingConfig,
+    batch_size: int = 8,
+    seed: int = 0,
+    progress: bool = False,
+) -> Iterator[tuple[list[int], float]]:
+    """Decodes ``tokens int32[N, L_enc]`` (prompts with EOS, padded with 0) ``batch_size`` rows at a
+    time.
 
     Yields (generated ids up to and including EOS, score) per row, in order.
     """

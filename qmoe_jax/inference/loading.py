@@ -15,12 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmoe_jax.data import bundled
 from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
 from qmoe_jax.checkpoints.format_v1 import MANIFEST
 from qmoe_jax.checkpoints.mapped_layout import CONVERT, is_mapped_checkpoint
+from qmoe_jax.data import bundled
 from qmoe_jax.inference.compressed_params import load_compressed_model
-from qmoe_jax.inference.mapped_params import DEFAULT_EXPERT_CACHE_GB, VERIFY_MODES, ExpertResidency, load_mapped_model
+from qmoe_jax.inference.mapped_params import (
+    DEFAULT_EXPERT_CACHE_GB,
+    VERIFY_MODES,
+    ExpertResidency,
+    load_mapped_model,
+)
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
@@ -35,10 +40,13 @@ def load_t5x_params(path: str | T5XCheckpoint, config: SwitchConfig, dtype=jnp.f
 def infer_config(checkpoint: T5XCheckpoint) -> SwitchConfig:
     """The one registered config whose parameter shapes the checkpoint has."""
     found = {path: info.shape for path, info in checkpoint.spec().items()}
-    matches = [name for name in config_names() if path_shapes(param_shapes(get_config(name))) == found]
+    matches = [
+        name for name in config_names() if path_shapes(param_shapes(get_config(name))) == found
+    ]
     if len(matches) != 1:
         raise ValueError(
-            f"cannot infer the model config of {checkpoint.url}: {len(matches)} known configs match its shapes "
+            f"cannot infer the model config of {checkpoint.url}: {len(matches)} known configs "
+            "match its shapes "
             f"({', '.join(matches) or 'none'}); pass --config (known: {', '.join(config_names())})"
         )
     return get_config(matches[0])
@@ -49,10 +57,11 @@ class OpenedModel:
     """A model ready to ``module.apply({"params": params}, ...)``.
 
     Attributes:
-      kind: "t5x", "compressed" or "mapped"; experts: "dense", "compressed" (fused kernels) or "mapped"
-        (fused kernels on memory-mapped stacks).
+      kind: "t5x", "compressed" or "mapped"; experts: "dense", "compressed" (fused kernels) or
+        "mapped" (fused kernels on memory-mapped stacks).
       mesh: the expert-parallel mesh (axis ``expert``), or None.
-      residency: mapped experts only: their verification, read-ahead and budget (``inference.mapped``).
+      residency: mapped experts only: their verification, read-ahead and budget
+        (``inference.mapped``).
     """
 
     config: SwitchConfig
@@ -71,9 +80,15 @@ def is_compressed_checkpoint(path: str) -> bool:
 EXPERT_PARALLEL = ("auto", "on", "off")
 
 
-def open_model(path: str, config: SwitchConfig | None = None, experts: str | None = None,
-               dtype=jnp.float32, expert_parallel: str = "auto", verify: str = "lazy",
-               expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB) -> OpenedModel:
+def open_model(
+    path: str,
+    config: SwitchConfig | None = None,
+    experts: str | None = None,
+    dtype=jnp.float32,
+    expert_parallel: str = "auto",
+    verify: str = "lazy",
+    expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB,
+) -> OpenedModel:
     """Opens a T5X checkpoint or a compressed directory for inference.
 
     Args:
@@ -92,55 +107,112 @@ def open_model(path: str, config: SwitchConfig | None = None, experts: str | Non
       verify, expert_cache_gb: mapped directories only (``inference.mapped.load_mapped_model``).
     """
     if expert_parallel not in EXPERT_PARALLEL:
-        raise ValueError(f"expert_parallel must be one of {', '.join(EXPERT_PARALLEL)}, got {expert_parallel!r}")
+        raise ValueError(
+            f"expert_parallel must be one of {', '.join(EXPERT_PARALLEL)}, got {expert_parallel!r}"
+        )
     if is_mapped_checkpoint(path):
         if experts not in (None, "mapped"):
-            raise ValueError(f"{path} is a mapped checkpoint, whose experts are mapped; for --experts {experts} "
-                             "use the compressed checkpoint it was converted from")
+            raise ValueError(
+                f"{path} is a mapped checkpoint, whose experts are mapped; for --experts {experts} "
+                "use the compressed checkpoint it was converted from"
+            )
         if expert_parallel == "on":
             raise ValueError("mapped experts run on one CPU device; drop --expert_parallel on")
         mapped = load_mapped_model(path, verify, expert_cache_gb, dtype)
-        return OpenedModel(mapped.config, mapped.module(), mapped.params, "mapped", "mapped",
-                           residency=mapped.residency)
+        return OpenedModel(
+            mapped.config,
+            mapped.module(),
+            mapped.params,
+            "mapped",
+            "mapped",
+            residency=mapped.residency,
+        )
     if experts == "mapped":
-        raise ValueError(f"--experts mapped needs a mapped checkpoint, and {path} is not one; convert a compressed "
-                         f"checkpoint once with `{CONVERT} --checkpoint <compressed> --output_dir <new directory>`")
+        raise ValueError(
+            f"--experts mapped needs a mapped checkpoint, and {path} is not one; convert a "
+            "compressed "
+            f"checkpoint once with `{CONVERT} --checkpoint <compressed> --output_dir <new "
+            "directory>`"
+        )
     if is_compressed_checkpoint(path):
         parallel = expert_parallel == "on" or (expert_parallel == "auto" and jax.device_count() > 1)
         mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",)) if parallel else None
-        loaded = load_compressed_model(path, experts=experts or "compressed", dtype=dtype, mesh=mesh)
-        return OpenedModel(loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts, loaded.mesh)
+        loaded = load_compressed_model(
+            path, experts=experts or "compressed", dtype=dtype, mesh=mesh
+        )
+        return OpenedModel(
+            loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts, loaded.mesh
+        )
     if experts not in (None, "dense"):
-        raise ValueError(f"{path} is a T5X checkpoint, whose experts are dense; --experts compressed needs a "
-                         "directory written by `python -m qmoe_jax.compress`")
+        raise ValueError(
+            f"{path} is a T5X checkpoint, whose experts are dense; --experts compressed needs a "
+            "directory written by `python -m qmoe_jax.compress`"
+        )
     checkpoint = open_t5x_checkpoint(path)
     config = dataclasses.replace(config or infer_config(checkpoint), dtype=jnp.dtype(dtype).name)
-    return OpenedModel(config, SwitchTransformer(config), load_t5x_params(checkpoint, config, dtype), "t5x", "dense")
+    return OpenedModel(
+        config,
+        SwitchTransformer(config),
+        load_t5x_params(checkpoint, config, dtype),
+        "t5x",
+        "dense",
+    )
 
 
 def add_model_arguments(parser) -> None:
-    """The flags that choose a model, shared by the commands that open one (``open_model_from_args``)."""
-    parser.add_argument("--checkpoint", help="T5X checkpoint_<step> directory or URL, or a directory written by "
-                                             "python -m qmoe_jax.compress (default: the bundled model)")
-    parser.add_argument("--config", choices=config_names(), metavar="CONFIG",
-                        help="model config name of a T5X checkpoint (default: inferred from its shapes)")
-    parser.add_argument("--experts", choices=["compressed", "dense", "mapped"],
-                        help="compressed checkpoints: fused kernels (compressed, the default) or dequantized (dense); "
-                             "mapped checkpoints (python -m qmoe_jax.convert --layout mmap): mapped, expert codes "
-                             "read from disk when routed tokens touch them")
-    parser.add_argument("--expert_parallel", choices=EXPERT_PARALLEL, default="auto",
-                        help="shard compressed experts over all devices (auto: when there are several)")
-    parser.add_argument("--verify", choices=VERIFY_MODES, default="lazy",
-                        help="mapped experts: check each expert's SHA-256 when it is first routed (lazy, the default) "
-                             "or every expert at open (full)")
-    parser.add_argument("--expert_cache_gb", type=float, default=DEFAULT_EXPERT_CACHE_GB,
-                        help="mapped experts: mapped expert pages kept resident at most, in GiB (default: "
-                             f"{DEFAULT_EXPERT_CACHE_GB:g}); the least recently routed are released first")
+    """The flags that choose a model, shared by the commands that open one
+    (``open_model_from_args``)."""
+    parser.add_argument(
+        "--checkpoint",
+        help="T5X checkpoint_<step> directory or URL, or a directory written by "
+        "python -m qmoe_jax.compress (default: the bundled model)",
+    )
+    parser.add_argument(
+        "--config",
+        choices=config_names(),
+        metavar="CONFIG",
+        help="model config name of a T5X checkpoint (default: inferred from its shapes)",
+    )
+    parser.add_argument(
+        "--experts",
+        choices=["compressed", "dense", "mapped"],
+        help="compressed checkpoints: fused kernels (compressed, the default) "
+        "or dequantized (dense); "
+        "mapped checkpoints (python -m qmoe_jax.convert --layout mmap): mapped, expert codes "
+        "read from disk when routed tokens touch them",
+    )
+    parser.add_argument(
+        "--expert_parallel",
+        choices=EXPERT_PARALLEL,
+        default="auto",
+        help="shard compressed experts over all devices (auto: when there are several)",
+    )
+    parser.add_argument(
+        "--verify",
+        choices=VERIFY_MODES,
+        default="lazy",
+        help="mapped experts: check each expert's SHA-256 when it is first routed "
+        "(lazy, the default) "
+        "or every expert at open (full)",
+    )
+    parser.add_argument(
+        "--expert_cache_gb",
+        type=float,
+        default=DEFAULT_EXPERT_CACHE_GB,
+        help="mapped experts: mapped expert pages kept resident at most, in GiB (default: "
+        f"{DEFAULT_EXPERT_CACHE_GB:g}); the least recently routed are released first",
+    )
     parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
 
 
 def open_model_from_args(args) -> OpenedModel:
-    """``open_model`` with the flags of ``add_model_arguments`` (default checkpoint: the bundled model)."""
-    return open_model(args.checkpoint or bundled.checkpoint_path(), get_config(args.config) if args.config else None,
-                      args.experts, expert_parallel=args.expert_parallel, verify=getattr(args, "verify", "lazy"),
-                      expert_cache_gb=getattr(args, "expert_cache_gb", DEFAULT_EXPERT_CACHE_GB))
+    """``open_model`` with the flags of ``add_model_arguments`` (default checkpoint: the bundled
+    model)."""
+    return open_model(
+        args.checkpoint or bundled.checkpoint_path(),
+        get_config(args.config) if args.config else None,
+        args.experts,
+        expert_parallel=args.expert_parallel,
+        verify=getattr(args, "verify", "lazy"),
+        expert_cache_gb=getattr(args, "expert_cache_gb", DEFAULT_EXPERT_CACHE_GB),
+    )

@@ -1,4 +1,5 @@
-"""Opening a mapped checkpoint (docs/format.md §9): expert codes stay on disk until routed tokens touch them.
+"""Opening a mapped checkpoint (docs/format.md §9): expert codes stay on disk until routed tokens
+touch them.
 
 Measured on jax 0.10.2 (docs/format.md §9.4): ``jax.device_put`` of a
 read-only, 64-byte-aligned NumPy view of a file mapping gives a CPU array
@@ -56,16 +57,23 @@ class ExpertResidency:
     Attributes:
       layers: ``{layer name: MappedLayer}``.
       verify: "lazy" or "full" (see the module docstring).
-      budget_bytes: mapped expert bytes kept resident at most (the experts of the current call always are).
+      budget_bytes: mapped expert bytes kept resident at most (the experts of the current call
+        always are).
       stats: counters: ``calls``, ``routed`` (experts routed over all calls), ``verified`` and
-        ``verified_bytes`` (experts read and checked), ``released`` (experts whose pages were released),
-        ``seconds`` (host time in ``touch``).
+        ``verified_bytes`` (experts read and checked), ``released`` (experts whose pages were
+        released), ``seconds`` (host time in ``touch``).
       touched: every (layer, expert) routed so far.
-      error: the last error ``touch`` raised (XLA reports a callback's exception wrapped in its own).
+      error: the last error ``touch`` raised (XLA reports a callback's exception wrapped in its
+        own).
     """
 
-    def __init__(self, layers: dict[str, MappedLayer], verify: str = "lazy",
-                 expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB, progress: bool = False):
+    def __init__(
+        self,
+        layers: dict[str, MappedLayer],
+        verify: str = "lazy",
+        expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB,
+        progress: bool = False,
+    ):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
         if not expert_cache_gb > 0:
@@ -73,16 +81,22 @@ class ExpertResidency:
         self.layers = layers
         self.verify = verify
         self.budget_bytes = int(expert_cache_gb * 2**30)
-        self.verified = {name: np.zeros(layer.index.num_experts, bool) for name, layer in layers.items()}
+        self.verified = {
+            name: np.zeros(layer.index.num_experts, bool) for name, layer in layers.items()
+        }
         self.resident: collections.OrderedDict[tuple[str, int], int] = collections.OrderedDict()
         self.resident_bytes = 0
-        self.stats = collections.Counter(calls=0, routed=0, verified=0, verified_bytes=0, released=0, seconds=0.0)
+        self.stats = collections.Counter(
+            calls=0, routed=0, verified=0, verified_bytes=0, released=0, seconds=0.0
+        )
         self.touched: set[tuple[str, int]] = set()
         self.stacks = {name: layer.stacks() for name, layer in layers.items()}
         self.error: Exception | None = None
         if verify == "full":
             total = sum(layer.index.bytes for layer in layers.values())
-            with tqdm(total=total, desc="verify", unit="B", unit_scale=True, disable=not progress) as bar:
+            with tqdm(
+                total=total, desc="verify", unit="B", unit_scale=True, disable=not progress
+            ) as bar:
                 for name, layer in layers.items():
                     for expert in range(layer.index.num_experts):
                         bar.update(self._verify(name, expert))
@@ -95,7 +109,8 @@ class ExpertResidency:
         return read
 
     def touch(self, layer: str, counts: np.ndarray) -> np.ndarray:
-        """Readies the experts with ``counts > 0`` of ``layer`` for the kernels; returns ``counts``."""
+        """Readies the experts with ``counts > 0`` of ``layer`` for the kernels; returns
+        ``counts``."""
         started = time.perf_counter()
         try:
             self._touch(layer, np.asarray(counts))
@@ -107,15 +122,21 @@ class ExpertResidency:
         return np.asarray(counts)
 
     def gather(self, layer: str, expert_index: np.ndarray) -> dict[str, tuple[np.ndarray, ...]]:
-        """``touch`` for the experts of ``expert_index int32[N]`` (one per token), then their arrays copied out
-        of the mapping: ``{kernel: (codes [N, n], row_offsets [N, rows+1], minmax [N, rows, 2])}``."""
+        """``touch`` for the experts of ``expert_index int32[N]`` (one per token), then their arrays
+        copied out
+        of the mapping: ``{kernel: (codes [N, n], row_offsets [N, rows+1], minmax [N, rows, 2])}``.
+        """
         expert_index = np.asarray(expert_index).reshape(-1)
         self.touch(layer, np.bincount(expert_index, minlength=self.layers[layer].index.num_experts))
         started = time.perf_counter()
         try:
-            return {name: tuple(np.take(array, expert_index, axis=0) for array in
-                                (stack.codes, stack.row_offsets, stack.minmax))
-                    for name, stack in self.stacks[layer].items()}
+            return {
+                name: tuple(
+                    np.take(array, expert_index, axis=0)
+                    for array in (stack.codes, stack.row_offsets, stack.minmax)
+                )
+                for name, stack in self.stacks[layer].items()
+            }
         finally:
             self.stats["seconds"] += time.perf_counter() - started
 
@@ -145,11 +166,13 @@ class ExpertResidency:
             self.stats["released"] += 1
 
     def expert_bytes(self, layer: str, expert: int) -> int:
-        """Bytes of an expert's codewords in use, row offsets and min/max (what the kernels read of it)."""
+        """Bytes of an expert's codewords in use, row offsets and min/max (what the kernels read of
+        it)."""
         return sum(size for _, size in self.layers[layer].index.regions(expert))
 
     def release_all(self) -> None:
-        """Releases every mapped page of this process (the page cache keeps them while the OS has room)."""
+        """Releases every mapped page of this process (the page cache keeps them while the OS has
+        room)."""
         for layer in self.layers.values():
             layer.map.madvise(mmap.MADV_DONTNEED)
         self.resident.clear()
@@ -157,8 +180,8 @@ class ExpertResidency:
 
     @contextlib.contextmanager
     def errors(self) -> Iterator[None]:
-        """Re-raises a mapped-file error that surfaced from inside a jitted program as itself (one clear line),
-        without jax's log of the callback's traceback."""
+        """Re-raises a mapped-file error that surfaced from inside a jitted program as itself (one
+        clear line), without jax's log of the callback's traceback."""
         self.error = None
         callback_log = logging.getLogger(CALLBACK_LOGGER)
         level = callback_log.level
@@ -183,21 +206,31 @@ class MappedModel:
     residency: ExpertResidency
 
     def module(self) -> SwitchTransformer:
-        return SwitchTransformer(self.config, experts_cls=mapped_experts_cls(self.dictionaries, self.residency))
+        return SwitchTransformer(
+            self.config, experts_cls=mapped_experts_cls(self.dictionaries, self.residency)
+        )
 
 
 def _on_cpu_without_copy(array: np.ndarray, where: str) -> jax.Array:
     placed = jax.device_put(array, jax.devices("cpu")[0])
     if placed.unsafe_buffer_pointer() != array.ctypes.data:
-        raise CompressedCheckpointError(f"this jax ({jax.__version__}) copied the mapped array {where} instead of "
-                                        "aliasing it, which would load the experts into memory",
-                                        "load the compressed checkpoint it was converted from instead")
+        raise CompressedCheckpointError(
+            f"this jax ({jax.__version__}) copied the mapped array {where} instead of "
+            "aliasing it, which would load the experts into memory",
+            "load the compressed checkpoint it was converted from instead",
+        )
     return placed
 
 
-def load_mapped_model(directory: str, verify: str = "lazy", expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB,
-                      dtype=jnp.float32, progress: bool = False) -> MappedModel:
-    """Opens a mapped checkpoint: dense parameters in memory, expert stacks mapped (docs/format.md §9).
+def load_mapped_model(
+    directory: str,
+    verify: str = "lazy",
+    expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB,
+    dtype=jnp.float32,
+    progress: bool = False,
+) -> MappedModel:
+    """Opens a mapped checkpoint: dense parameters in memory, expert stacks mapped (docs/format.md
+      §9).
 
     Args:
       verify: "lazy" (each expert on first use; the default) or "full" (every expert now).
@@ -205,12 +238,18 @@ def load_mapped_model(directory: str, verify: str = "lazy", expert_cache_gb: flo
       dtype: of the dense parameters and the activations.
     """
     if jax.default_backend() != "cpu":
-        raise ValueError(f"mapped experts run on the CPU, but jax's default backend is {jax.default_backend()}; "
-                         "set JAX_PLATFORMS=cpu, or load the compressed checkpoint onto the accelerator")
+        raise ValueError(
+            f"mapped experts run on the CPU, but jax's default backend is {jax.default_backend()}; "
+            "set JAX_PLATFORMS=cpu, or load the compressed checkpoint onto the accelerator"
+        )
     checkpoint = MappedCheckpoint(directory)
     if not checkpoint.complete:
-        raise CompressedCheckpointError(f"{directory} is unfinished", "re-run the command that wrote it")
-    config = dataclasses.replace(SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name)
+        raise CompressedCheckpointError(
+            f"{directory} is unfinished", "re-run the command that wrote it"
+        )
+    config = dataclasses.replace(
+        SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name
+    )
     params = _cast(checkpoint.dense_params(), dtype)
     dictionaries, layers = {}, {}
     for name in checkpoint.layer_names():
@@ -222,8 +261,10 @@ def load_mapped_model(directory: str, verify: str = "lazy", expert_cache_gb: flo
             node = node.setdefault(key, {})
         expert = node.setdefault("expert", {})
         for kernel, stack in layers[name].stacks().items():
-            arrays = [_on_cpu_without_copy(a, f"{name}/{kernel}") for a in (stack.codes, stack.row_offsets,
-                                                                           stack.minmax)]
+            arrays = [
+                _on_cpu_without_copy(a, f"{name}/{kernel}")
+                for a in (stack.codes, stack.row_offsets, stack.minmax)
+            ]
             expert[kernel] = CompressedExperts(*arrays, stack.cols)
     residency = ExpertResidency(layers, verify, expert_cache_gb, progress)
     return MappedModel(config, params, dictionaries, residency)

@@ -16,12 +16,18 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from qmoe_jax.inference.evaluation import Example, model_inputs, padded_batches, token_log_likelihoods
+from qmoe_jax.inference.evaluation import (
+    Example,
+    model_inputs,
+    padded_batches,
+    token_log_likelihoods,
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Scores:
-    """log_likelihoods float64[N] (nats per example) and target_tokens int64[N], in example order."""
+    """log_likelihoods float64[N] (nats per example) and target_tokens int64[N], in example
+    order."""
 
     log_likelihoods: np.ndarray
     target_tokens: np.ndarray
@@ -44,8 +50,16 @@ def make_score_step(model):
     return step
 
 
-def score_examples(model, params, examples: list[Example], batch_size: int, encoder_length: int,
-                   decoder_length: int, progress: bool = False, desc: str = "score") -> Scores:
+def score_examples(
+    model,
+    params,
+    examples: list[Example],
+    batch_size: int,
+    encoder_length: int,
+    decoder_length: int,
+    progress: bool = False,
+    desc: str = "score",
+) -> Scores:
     """Scores every example of ``examples`` ((inputs, targets) int32 arrays ending with EOS)."""
     if not examples:
         raise ValueError("no examples to score")

@@ -50,7 +50,9 @@ class DecodingConfig:
 
     def __post_init__(self):
         if self.method not in METHODS:
-            raise ValueError(f"unknown decoding method {self.method!r}; choose one of {', '.join(METHODS)}")
+            raise ValueError(
+                f"unknown decoding method {self.method!r}; choose one of {', '.join(METHODS)}"
+            )
         if self.max_decode_length < 1:
             raise ValueError(f"max_decode_length must be at least 1, got {self.max_decode_length}")
         if not self.temperature > 0:
@@ -72,8 +74,13 @@ class Decoded:
     scores: jax.Array
 
 
-def generate(model: SwitchTransformer, params, encoder_input_tokens: jax.Array, config: DecodingConfig,
-             rng: jax.Array | None = None) -> Decoded:
+def generate(
+    model: SwitchTransformer,
+    params,
+    encoder_input_tokens: jax.Array,
+    config: DecodingConfig,
+    rng: jax.Array | None = None,
+) -> Decoded:
     """Decodes ``encoder_input_tokens int32[B, L_enc]`` (padded with 0) with ``config``.
 
     ``rng`` (a PRNG key) is needed for sampling and ignored otherwise.
@@ -97,7 +104,9 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
         logits = jnp.where(logits < kth, -jnp.inf, logits)
     if top_p < 1.0:
         ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-        before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(ordered, axis=-1)
+        before = jnp.cumsum(jax.nn.softmax(ordered, axis=-1), axis=-1) - jax.nn.softmax(
+            ordered, axis=-1
+        )
         kept = jnp.where(before < top_p, ordered, jnp.inf).min(axis=-1, keepdims=True)
         logits = jnp.where(logits < kept, -jnp.inf, logits)
     return logits
@@ -116,7 +125,9 @@ def _sample(model, params, encoder_input_tokens, config: DecodingConfig, rng):
 
     def step(state):
         t, cache, previous, done, out, scores = state
-        logits, cache = decode_step(model, params, cache, encoded, encoder_input_tokens, previous[:, None])
+        logits, cache = decode_step(
+            model, params, cache, encoded, encoder_input_tokens, previous[:, None]
+        )
         log_probs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
         if config.method == "greedy":
             token = jnp.argmax(log_probs, axis=-1)
@@ -128,8 +139,14 @@ def _sample(model, params, encoder_input_tokens, config: DecodingConfig, rng):
         scores = scores + jnp.where(done, 0.0, chosen)
         return t + 1, cache, token, done | (token == config.eos_id), out.at[:, t].set(token), scores
 
-    state = (jnp.int32(0), cache, jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
-             jnp.zeros((batch, length), jnp.int32), jnp.zeros((batch,), jnp.float32))
+    state = (
+        jnp.int32(0),
+        cache,
+        jnp.zeros((batch,), jnp.int32),
+        jnp.zeros((batch,), bool),
+        jnp.zeros((batch, length), jnp.int32),
+        jnp.zeros((batch,), jnp.float32),
+    )
     _, _, _, _, out, scores = jax.lax.while_loop(running, step, state)
     return out, scores
 
@@ -144,7 +161,9 @@ def _beam_search(model, params, encoder_input_tokens, config: DecodingConfig):
     batch, k, length = encoder_input_tokens.shape[0], config.beam_size, config.max_decode_length
     flat = batch * k
     encoded = model.apply({"params": params}, encoder_input_tokens, method="encode")
-    encoded, encoder_input_tokens = (jnp.repeat(x, k, axis=0) for x in (encoded, encoder_input_tokens))
+    encoded, encoder_input_tokens = (
+        jnp.repeat(x, k, axis=0) for x in (encoded, encoder_input_tokens)
+    )
     cache = init_cache(model, params, encoded, encoder_input_tokens, length)
 
     def reorder(tree, flat_index):
@@ -156,8 +175,12 @@ def _beam_search(model, params, encoder_input_tokens, config: DecodingConfig):
 
     def step(state):
         t, cache, log_probs, finished, lengths, out, previous = state
-        logits, cache = decode_step(model, params, cache, encoded, encoder_input_tokens, previous.reshape(flat, 1))
-        token_log_probs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1).reshape(batch, k, -1)
+        logits, cache = decode_step(
+            model, params, cache, encoded, encoder_input_tokens, previous.reshape(flat, 1)
+        )
+        token_log_probs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1).reshape(
+            batch, k, -1
+        )
         vocab = token_log_probs.shape[-1]
         # A finished hypothesis has one continuation, padding, at no cost.
         stay = jnp.where(jnp.arange(vocab) == 0, 0.0, -jnp.inf)
@@ -174,11 +197,19 @@ def _beam_search(model, params, encoder_input_tokens, config: DecodingConfig):
         return t + 1, reorder(cache, flat_index), log_probs, finished, lengths, out, token
 
     first_beam_only = jnp.where(jnp.arange(k) == 0, 0.0, -jnp.inf)
-    state = (jnp.int32(0), cache, jnp.broadcast_to(first_beam_only, (batch, k)), jnp.zeros((batch, k), bool),
-             jnp.zeros((batch, k), jnp.int32), jnp.zeros((batch, k, length), jnp.int32),
-             jnp.zeros((batch, k), jnp.int32))
+    state = (
+        jnp.int32(0),
+        cache,
+        jnp.broadcast_to(first_beam_only, (batch, k)),
+        jnp.zeros((batch, k), bool),
+        jnp.zeros((batch, k), jnp.int32),
+        jnp.zeros((batch, k, length), jnp.int32),
+        jnp.zeros((batch, k), jnp.int32),
+    )
     _, _, log_probs, _, lengths, out, _ = jax.lax.while_loop(running, step, state)
     scores = log_probs / brevity_penalty(config.alpha, lengths)
     best = jnp.argmax(scores, axis=-1)
-    return (jnp.take_along_axis(out, best[:, None, None], axis=1)[:, 0],
-            jnp.take_along_axis(scores, best[:, None], axis=1)[:, 0])
+    return (
+        jnp.take_along_axis(out, best[:, None, None], axis=1)[:, 0],
+        jnp.take_along_axis(scores, best[:, None], axis=1)[:, 0],
+    )

@@ -24,16 +24,23 @@ import time
 
 import numpy as np
 
-from qmoe_jax.data import bundled
 from qmoe_jax.checkpoints import ShapeMismatchError
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
-from qmoe_jax.data import Tokenizer
-from qmoe_jax.inference.strategies import DecodingConfig
+from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference.generation import generate_tokens
 from qmoe_jax.inference.loading import OpenedModel, is_compressed_checkpoint, open_model
 from qmoe_jax.inference.scoring import score_examples
-from qmoe_jax.interop.eval_tasks import Mixture, Seq2SeqTask, Task, TaskData, as_list, load_task, resolve
+from qmoe_jax.inference.strategies import DecodingConfig
+from qmoe_jax.interop.eval_tasks import (
+    Mixture,
+    Seq2SeqTask,
+    Task,
+    TaskData,
+    as_list,
+    load_task,
+    resolve,
+)
 from qmoe_jax.interop.steps import checkpoint_step
 from qmoe_jax.models import SwitchConfig
 
@@ -41,12 +48,20 @@ EVAL_OUTPUT = OutputKind("qmoe_jax.evaluation", "a qmoe_jax evaluation output di
 INFERENCE_DIR = "inference_eval"
 EXPERTS = ("compressed", "dense")
 # The fields that fix parameter shapes and the computation's structure; the checkpoint decides them.
-SHAPE_FIELDS = {"vocab_size": "NUM_EMBEDDINGS", "d_model": "EMBED_DIM", "num_heads": "NUM_HEADS", "d_kv": "HEAD_DIM",
-                "d_ff": "MLP_DIM", "num_encoder_layers": "NUM_ENCODER_LAYERS",
-                "num_decoder_layers": "NUM_DECODER_LAYERS", "num_experts": "NUM_EXPERTS",
-                "num_encoder_sparse_layers": "NUM_ENCODER_SPARSE_LAYERS",
-                "num_decoder_sparse_layers": "NUM_DECODER_SPARSE_LAYERS",
-                "mlp_activations": "SwitchConfig.mlp_activations", "logits_dense": "SwitchConfig.logits_dense"}
+SHAPE_FIELDS = {
+    "vocab_size": "NUM_EMBEDDINGS",
+    "d_model": "EMBED_DIM",
+    "num_heads": "NUM_HEADS",
+    "d_kv": "HEAD_DIM",
+    "d_ff": "MLP_DIM",
+    "num_encoder_layers": "NUM_ENCODER_LAYERS",
+    "num_decoder_layers": "NUM_DECODER_LAYERS",
+    "num_experts": "NUM_EXPERTS",
+    "num_encoder_sparse_layers": "NUM_ENCODER_SPARSE_LAYERS",
+    "num_decoder_sparse_layers": "NUM_DECODER_SPARSE_LAYERS",
+    "mlp_activations": "SwitchConfig.mlp_activations",
+    "logits_dense": "SwitchConfig.logits_dense",
+}
 
 
 class ModelConfigMismatch(ValueError):
@@ -82,51 +97,83 @@ class EvalSettings:
             raise ValueError(f"EXPERTS must be 'compressed' or 'dense', got {self.experts!r}")
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"BATCH_SIZE must be a positive integer, got {self.batch_size!r}")
-        for name, value in (("CHECKPOINT_PATH", self.checkpoint_path), ("EVAL_OUTPUT_DIR", self.output_dir),
-                            ("MIXTURE_OR_TASK_NAME", self.mixture_or_task_name)):
+        for name, value in (
+            ("CHECKPOINT_PATH", self.checkpoint_path),
+            ("EVAL_OUTPUT_DIR", self.output_dir),
+            ("MIXTURE_OR_TASK_NAME", self.mixture_or_task_name),
+        ):
             if not isinstance(value, str) or not value:
-                raise ValueError(f"{name} must be a non-empty string (quote it: --gin.{name}=\"'...'\"), "
-                                 f"got {value!r}")
+                raise ValueError(
+                    f"{name} must be a non-empty string (quote it: --gin.{name}=\"'...'\"), "
+                    f"got {value!r}"
+                )
 
 
-def check_model_config(model: SwitchConfig, found: SwitchConfig, checkpoint: str, model_files: list[str]) -> None:
-    """Raises ``ModelConfigMismatch`` naming each shape field where the gin model and the checkpoint differ."""
-    differ = [f"{macro} ({field}) is {getattr(model, field)!r} in the gin config but {getattr(found, field)!r} in "
-              "the checkpoint" for field, macro in SHAPE_FIELDS.items()
-              if getattr(model, field) != getattr(found, field)]
+def check_model_config(
+    model: SwitchConfig, found: SwitchConfig, checkpoint: str, model_files: list[str]
+) -> None:
+    """Raises ``ModelConfigMismatch`` naming each shape field where the gin model and the checkpoint
+    differ."""
+    differ = [
+        f"{macro} ({field}) is {getattr(model, field)!r} in the gin config but "
+        f"{getattr(found, field)!r} in "
+        "the checkpoint"
+        for field, macro in SHAPE_FIELDS.items()
+        if getattr(model, field) != getattr(found, field)
+    ]
     if differ:
         raise ModelConfigMismatch(
-            f"the model gin ({', '.join(model_files) or 'the bindings'}) disagrees with {checkpoint}: "
-            f"{'; '.join(differ)}; use the model gin of that checkpoint (models/{found.name.replace('-', '_')}.gin "
-            "for the named configs)")
+            f"the model gin ({', '.join(model_files) or 'the bindings'}) disagrees with "
+            f"{checkpoint}: "
+            f"{'; '.join(differ)}; use the model gin of that checkpoint "
+            f"(models/{found.name.replace('-', '_')}.gin "
+            "for the named configs)"
+        )
 
 
-def open_evaluated_model(settings: EvalSettings, model: SwitchConfig | None, model_files: list[str]) -> OpenedModel:
-    """Opens the checkpoint with the gin model config's run-time settings (capacity, group size, dtype),
-    after checking that its shapes are the checkpoint's."""
+def open_evaluated_model(
+    settings: EvalSettings, model: SwitchConfig | None, model_files: list[str]
+) -> OpenedModel:
+    """Opens the checkpoint with the gin model config's run-time settings (capacity, group size,
+    dtype), after checking that its shapes are the checkpoint's."""
     path = settings.checkpoint_path
     dtype = model.dtype if model is not None else "float32"
     if is_compressed_checkpoint(path):
         if model is not None:
-            check_model_config(model, SwitchConfig.from_dict(CompressedCheckpoint(path).header["model"]), path,
-                               model_files)
-        opened = open_model(path, experts=settings.experts, dtype=dtype, expert_parallel=settings.expert_parallel)
+            check_model_config(
+                model,
+                SwitchConfig.from_dict(CompressedCheckpoint(path).header["model"]),
+                path,
+                model_files,
+            )
+        opened = open_model(
+            path, experts=settings.experts, dtype=dtype, expert_parallel=settings.expert_parallel
+        )
         if model is not None:
-            keep = {field: getattr(opened.config, field) for field in ("name", "checkpoint_path", "checkpoint_step")}
+            keep = {
+                field: getattr(opened.config, field)
+                for field in ("name", "checkpoint_path", "checkpoint_step")
+            }
             config = dataclasses.replace(model, **keep)
-            opened = dataclasses.replace(opened, config=config, module=opened.module.clone(config=config))
+            opened = dataclasses.replace(
+                opened, config=config, module=opened.module.clone(config=config)
+            )
         return opened
     if settings.experts != "dense":
-        raise ValueError(f"{path} is a T5X checkpoint, whose experts are dense; set --gin.EXPERTS=\"'dense'\" "
-                         "(EXPERTS='compressed' needs a directory written by python -m qmoe_jax.compress)")
+        raise ValueError(
+            f"{path} is a T5X checkpoint, whose experts are dense; set --gin.EXPERTS=\"'dense'\" "
+            "(EXPERTS='compressed' needs a directory written by python -m qmoe_jax.compress)"
+        )
     try:
         return open_model(path, model, experts="dense", dtype=dtype)
     except ShapeMismatchError as error:
         if model is None:
             raise
         lines = "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
-        raise ModelConfigMismatch(f"the model gin ({', '.join(model_files) or 'the bindings'}) disagrees with "
-                                  f"{path}: {lines}") from None
+        raise ModelConfigMismatch(
+            f"the model gin ({', '.join(model_files) or 'the bindings'}) disagrees with "
+            f"{path}: {lines}"
+        ) from None
 
 
 def _write_atomic(path: str, text: str) -> None:
@@ -144,16 +191,33 @@ def _append_line(path: str, record: dict) -> None:
 
 def _finite(value: float, what: str, checkpoint: str) -> float:
     if not math.isfinite(value):
-        raise ValueError(f"the {what} of {checkpoint} is {value}: the model's parameters hold NaN or infinite "
-                         "values, or its activations overflow; check the checkpoint")
+        raise ValueError(
+            f"the {what} of {checkpoint} is {value}: the model's parameters hold NaN or infinite "
+            "values, or its activations overflow; check the checkpoint"
+        )
     return value
 
 
-def evaluate_task(opened: OpenedModel, tokenizer: Tokenizer, task: Task, data: TaskData, batch_size: int,
-                  checkpoint: str, progress: bool) -> tuple[dict, list[dict]]:
+def evaluate_task(
+    opened: OpenedModel,
+    tokenizer: Tokenizer,
+    task: Task,
+    data: TaskData,
+    batch_size: int,
+    checkpoint: str,
+    progress: bool,
+) -> tuple[dict, list[dict]]:
     """(metrics, per-example records) of one task."""
-    scores = score_examples(opened.module, opened.params, data.examples, batch_size, data.encoder_length,
-                            data.decoder_length, progress=progress, desc=f"score {task.name}")
+    scores = score_examples(
+        opened.module,
+        opened.params,
+        data.examples,
+        batch_size,
+        data.encoder_length,
+        data.decoder_length,
+        progress=progress,
+        desc=f"score {task.name}",
+    )
     loss = _finite(scores.loss, f"loss on {task.name}", checkpoint)
     records = []
     for index, (inputs, targets) in enumerate(data.examples):
@@ -162,11 +226,21 @@ def evaluate_task(opened: OpenedModel, tokenizer: Tokenizer, task: Task, data: T
             target = tokenizer.decode(targets)
         else:
             text = data.texts[index]
-            features = {"inputs_pretokenized": text.inputs, "inputs": as_list(inputs),
-                        "targets_pretokenized": text.targets, "targets": as_list(targets)}
+            features = {
+                "inputs_pretokenized": text.inputs,
+                "inputs": as_list(inputs),
+                "targets_pretokenized": text.targets,
+                "targets": as_list(targets),
+            }
             target = text.targets
-        records.append({"input": features, "target": target, "score": float(scores.log_likelihoods[index])})
-    metrics = {"loss": round(loss, 6), "examples": len(data.examples), "target_tokens": int(scores.target_tokens.sum())}
+        records.append(
+            {"input": features, "target": target, "score": float(scores.log_likelihoods[index])}
+        )
+    metrics = {
+        "loss": round(loss, 6),
+        "examples": len(data.examples),
+        "target_tokens": int(scores.target_tokens.sum()),
+    }
     if isinstance(task, Seq2SeqTask):
         metrics["mean_log_likelihood"] = round(float(np.mean(scores.log_likelihoods)), 6)
     if isinstance(task, Seq2SeqTask) and task.predict:
@@ -174,7 +248,9 @@ def evaluate_task(opened: OpenedModel, tokenizer: Tokenizer, task: Task, data: T
         for row, (inputs, _) in enumerate(data.examples):
             encoder[row, : inputs.size] = inputs
         config = DecodingConfig(method="greedy", max_decode_length=data.decoder_length)
-        decoded = generate_tokens(opened.module, opened.params, encoder, config, batch_size, progress=progress)
+        decoded = generate_tokens(
+            opened.module, opened.params, encoder, config, batch_size, progress=progress
+        )
         matches = 0
         for record, (ids, _) in zip(records, decoded):
             text = tokenizer.decode(ids)
@@ -184,9 +260,17 @@ def evaluate_task(opened: OpenedModel, tokenizer: Tokenizer, task: Task, data: T
     return metrics, records
 
 
-def run_evaluation(settings: EvalSettings, definitions: list[Task | Mixture], model: SwitchConfig | None = None,
-                   config_text: str = "", model_files: list[str] = (), log=print, progress: bool = False) -> dict:
-    """Evaluates ``settings.mixture_or_task_name`` and writes T5X's layout under ``settings.output_dir``.
+def run_evaluation(
+    settings: EvalSettings,
+    definitions: list[Task | Mixture],
+    model: SwitchConfig | None = None,
+    config_text: str = "",
+    model_files: list[str] = (),
+    log=print,
+    progress: bool = False,
+) -> dict:
+    """Evaluates ``settings.mixture_or_task_name`` and writes T5X's layout under
+    ``settings.output_dir``.
 
     Returns ``{task name: metrics}`` (each as written to its metrics file, with ``step``).
     """
@@ -195,26 +279,48 @@ def run_evaluation(settings: EvalSettings, definitions: list[Task | Mixture], mo
     step = checkpoint_step(settings.checkpoint_path)
     opened = open_evaluated_model(settings, model, list(model_files))
     if tokenizer.vocab_size > opened.config.vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model "
-                         f"{settings.checkpoint_path} embeds only {opened.config.vocab_size}; set TOKENIZER to the "
-                         "model's SentencePiece model")
+        raise ValueError(
+            f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model "
+            f"{settings.checkpoint_path} embeds only {opened.config.vocab_size}; set TOKENIZER to "
+            "the "
+            "model's SentencePiece model"
+        )
     data = {task.name: load_task(task, tokenizer, settings.task_feature_lengths) for task in tasks}
     results = {}
     with claimed(settings.output_dir, EVAL_OUTPUT) as output_dir:
         manifest = os.path.join(output_dir, MANIFEST)
         if not os.path.exists(manifest):
-            _write_atomic(manifest, json.dumps({"format": EVAL_OUTPUT.marker, "format_version": 1}) + "\n")
+            _write_atomic(
+                manifest, json.dumps({"format": EVAL_OUTPUT.marker, "format_version": 1}) + "\n"
+            )
         _write_atomic(os.path.join(output_dir, "config.gin"), config_text)
         os.makedirs(os.path.join(output_dir, INFERENCE_DIR), exist_ok=True)
         for task in tasks:
             started = time.perf_counter()
-            metrics, records = evaluate_task(opened, tokenizer, task, data[task.name], settings.batch_size,
-                                             settings.checkpoint_path, progress)
+            metrics, records = evaluate_task(
+                opened,
+                tokenizer,
+                task,
+                data[task.name],
+                settings.batch_size,
+                settings.checkpoint_path,
+                progress,
+            )
             base = os.path.join(output_dir, INFERENCE_DIR, task.name)
-            _write_atomic(f"{base}-{step:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in records))
+            _write_atomic(
+                f"{base}-{step:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+            )
             line = {"step": step, **metrics}
             _append_line(f"{base}-metrics.jsonl", line)
             results[task.name] = line
-            log(json.dumps({"task": task.name, **line, "experts": opened.experts,
-                            "seconds": round(time.perf_counter() - started, 2)}))
+            log(
+                json.dumps(
+                    {
+                        "task": task.name,
+                        **line,
+                        "experts": opened.experts,
+                        "seconds": round(time.perf_counter() - started, 2),
+                    }
+                )
+            )
     return results

@@ -1,4 +1,5 @@
-"""Evaluation tasks by name, as seqio registers them for T5X: span corruption, seq2seq JSON lines, mixtures.
+"""Evaluation tasks by name, as seqio registers them for T5X: span corruption, seq2seq JSON lines,
+  mixtures.
 
 - ``SpanCorruptionTask``: T5's span corruption (noise density 0.15, mean span
   3, seed 0) on validation text; scored per example (target log-likelihood)
@@ -24,8 +25,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from qmoe_jax.data import bundled
-from qmoe_jax.data import Tokenizer
+from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.data.seq2seq import Seq2SeqExample, read_jsonl, tokenize_examples
 from qmoe_jax.inference.evaluation import Example, validation_set
 
@@ -34,9 +34,9 @@ SPAN_SOURCES = ("bundled", "c4", "text")
 
 @dataclasses.dataclass(frozen=True)
 class SpanCorruptionTask:
-    """Span-corruption loss on ``source``: "bundled" (the bundled corpus's held-out plays), "c4" (C4's
-    validation shards under ``location``, a directory or glob) or "text" (files matching the glob
-    ``location``, one document each). ``num_examples``: the first N examples (None: all)."""
+    """Span-corruption loss on ``source``: "bundled" (the bundled corpus's held-out plays), "c4"
+    (C4's validation shards under ``location``, a directory or glob) or "text" (files matching the
+    glob ``location``, one document each). ``num_examples``: the first N examples (None: all)."""
 
     name: str
     source: str = "bundled"
@@ -45,14 +45,16 @@ class SpanCorruptionTask:
 
     def __post_init__(self):
         if self.source not in SPAN_SOURCES:
-            raise ValueError(f"task {self.name!r}: source must be one of {', '.join(SPAN_SOURCES)}, "
-                             f"got {self.source!r}")
+            raise ValueError(
+                f"task {self.name!r}: source must be one of {', '.join(SPAN_SOURCES)}, "
+                f"got {self.source!r}"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
 class Seq2SeqTask:
-    """A JSON-lines file of ``{"inputs", "targets"}`` at ``path``; ``predict``: also decode greedily and
-    report exact match; ``num_examples``: the first N lines (None: all)."""
+    """A JSON-lines file of ``{"inputs", "targets"}`` at ``path``; ``predict``: also decode greedily
+    and report exact match; ``num_examples``: the first N lines (None: all)."""
 
     name: str
     path: str | None = None
@@ -80,7 +82,8 @@ class UnknownTaskError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class TaskData:
-    """A task's tokenized examples and the batch lengths they run at; ``texts`` holds seq2seq pairs."""
+    """A task's tokenized examples and the batch lengths they run at; ``texts`` holds seq2seq
+    pairs."""
 
     examples: list[Example]
     encoder_length: int
@@ -99,7 +102,9 @@ def resolve(name: str, definitions: Sequence[Task | Mixture]) -> list[Task]:
     def expand(current: str, trail: tuple[str, ...]) -> list[Task]:
         if current not in by_name:
             where = f" (in mixture {trail[-1]!r})" if trail else ""
-            raise UnknownTaskError(f"unknown task or mixture {current!r}{where}; known: {', '.join(sorted(by_name))}")
+            raise UnknownTaskError(
+                f"unknown task or mixture {current!r}{where}; known: {', '.join(sorted(by_name))}"
+            )
         item = by_name[current]
         if not isinstance(item, Mixture):
             return [item]
@@ -116,32 +121,48 @@ def _round_up(n: int) -> int:
     return -(-n // 8) * 8
 
 
-def load_task(task: Task, tokenizer: Tokenizer, feature_lengths: Mapping[str, int] | None) -> TaskData:
+def load_task(
+    task: Task, tokenizer: Tokenizer, feature_lengths: Mapping[str, int] | None
+) -> TaskData:
     """Reads and tokenizes ``task``'s examples (see the module docstring for the lengths)."""
     lengths = dict(feature_lengths or {})
     unknown = sorted(set(lengths) - {"inputs", "targets"})
     if unknown:
-        raise ValueError(f"TASK_FEATURE_LENGTHS has unknown features {unknown}; use 'inputs' and 'targets'")
+        raise ValueError(
+            f"TASK_FEATURE_LENGTHS has unknown features {unknown}; use 'inputs' and 'targets'"
+        )
     for feature, length in lengths.items():
         if not isinstance(length, int) or isinstance(length, bool) or length < 4:
-            raise ValueError(f"TASK_FEATURE_LENGTHS['{feature}'] must be an integer of at least 4, got {length!r}")
+            raise ValueError(
+                f"TASK_FEATURE_LENGTHS['{feature}'] must be an integer of at least 4, got "
+                f"{length!r}"
+            )
     if isinstance(task, SpanCorruptionTask):
         if task.source != "bundled" and not task.location:
-            raise ValueError(f"task {task.name!r} reads {task.source} data but its location is not set; set "
-                             f"{task.name}/SpanCorruptionTask.location (the built-in tasks read the macros C4_DIR "
-                             "and TEXT_FILES)")
+            raise ValueError(
+                f"task {task.name!r} reads {task.source} data but its location is not set; set "
+                f"{task.name}/SpanCorruptionTask.location (the built-in tasks read the macros "
+                "C4_DIR "
+                "and TEXT_FILES)"
+            )
         source = "bundled" if task.source == "bundled" else f"{task.source}:{task.location}"
-        found = validation_set(source, tokenizer, task.num_examples, lengths.get("inputs", bundled.INPUTS_LENGTH))
+        found = validation_set(
+            source, tokenizer, task.num_examples, lengths.get("inputs", bundled.INPUTS_LENGTH)
+        )
         if not found.examples:
             raise ValueError(f"task {task.name!r}: {source} yields no examples")
         return TaskData(found.examples, found.encoder_length, found.decoder_length)
     if not task.path:
-        raise ValueError(f"task {task.name!r} has no JSON-lines file; set {task.name}/Seq2SeqTask.path (the "
-                         "built-in jsonl_seq2seq task reads the macro JSONL_FILE)")
+        raise ValueError(
+            f"task {task.name!r} has no JSON-lines file; set {task.name}/Seq2SeqTask.path (the "
+            "built-in jsonl_seq2seq task reads the macro JSONL_FILE)"
+        )
     texts = read_jsonl(task.path)[: task.num_examples]
     examples = tokenize_examples(texts, tokenizer, lengths.get("inputs"), lengths.get("targets"))
     encoder_length = lengths.get("inputs") or _round_up(max(inputs.size for inputs, _ in examples))
-    decoder_length = lengths.get("targets") or _round_up(max(targets.size for _, targets in examples))
+    decoder_length = lengths.get("targets") or _round_up(
+        max(targets.size for _, targets in examples)
+    )
     return TaskData(examples, encoder_length, decoder_length, texts)
 
 

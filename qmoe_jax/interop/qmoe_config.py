@@ -21,10 +21,23 @@ import os
 from qmoe_jax.models import SwitchConfig, config_names, get_config
 
 ACTIVATIONS = {"relu": "relu", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
-ARCHITECTURE = ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "num_encoder_layers", "num_decoder_layers",
-                "num_experts", "num_encoder_sparse_layers", "num_decoder_sparse_layers", "mlp_activations",
-                "logits_dense", "relative_attention_num_buckets", "relative_attention_max_distance",
-                "layer_norm_epsilon")
+ARCHITECTURE = (
+    "vocab_size",
+    "d_model",
+    "num_heads",
+    "d_kv",
+    "d_ff",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "num_experts",
+    "num_encoder_sparse_layers",
+    "num_decoder_sparse_layers",
+    "mlp_activations",
+    "logits_dense",
+    "relative_attention_num_buckets",
+    "relative_attention_max_distance",
+    "layer_norm_epsilon",
+)
 
 
 class QMoEConfigError(ValueError):
@@ -42,15 +55,18 @@ def _hf_sparse_layers(values: dict, layers: int, step_key: str, count_key: str) 
 
 
 def _sparse_count(layers: int, sparse: list[int], stack: str, path: str) -> int:
-    """NS such that T5X's layout (block i sparse when i % (L/NS) == L/NS - 1) gives exactly ``sparse``."""
+    """NS such that T5X's layout (block i sparse when i % (L/NS) == L/NS - 1) gives exactly
+    ``sparse``."""
     for count in range(1, layers + 1):
         period = layers // count
         if layers % count == 0 and [i for i in range(layers) if i % period == period - 1] == sparse:
             return count
     if not sparse:
         return 0
-    raise QMoEConfigError(f"{path}: the {stack}'s sparse blocks {sparse} do not follow T5X's layout (block i "
-                          "sparse when i % (L/NS) == L/NS - 1), which qmoe_jax's model uses")
+    raise QMoEConfigError(
+        f"{path}: the {stack}'s sparse blocks {sparse} do not follow T5X's layout (block i "
+        "sparse when i % (L/NS) == L/NS - 1), which qmoe_jax's model uses"
+    )
 
 
 def _registered(values: dict) -> SwitchConfig | None:
@@ -59,13 +75,18 @@ def _registered(values: dict) -> SwitchConfig | None:
         if candidate in config_names():
             return get_config(candidate)
     shape = (values.get("d_model"), values.get("num_experts"))
-    matches = [get_config(n) for n in config_names() if (get_config(n).d_model, get_config(n).num_experts) == shape]
+    matches = [
+        get_config(n)
+        for n in config_names()
+        if (get_config(n).d_model, get_config(n).num_experts) == shape
+    ]
     return matches[0] if len(matches) == 1 else None
 
 
 def read_qmoe_config(path: str) -> tuple[SwitchConfig, list[str]]:
-    """The ``SwitchConfig`` of a published QMoE ``config.json`` and the fields on which the registered config
-    of the same model disagrees with it (one phrase each; empty when they agree or none is registered).
+    """The ``SwitchConfig`` of a published QMoE ``config.json`` and the fields on which the
+    registered config of the same model disagrees with it (one phrase each; empty when they agree or
+    none is registered).
 
     Raises:
       QMoEConfigError: unreadable JSON, a missing field, a gated or unknown
@@ -79,29 +100,63 @@ def read_qmoe_config(path: str) -> tuple[SwitchConfig, list[str]]:
     if not isinstance(values, dict):
         raise QMoEConfigError(f"{path} holds a JSON {type(values).__name__}, not a config object")
     if values.get("model_type", "switch_transformers") != "switch_transformers":
-        raise QMoEConfigError(f"{path} describes a {values['model_type']!r} model, not switch_transformers")
-    missing = [key for key in ("vocab_size", "d_model", "d_kv", "d_ff", "num_heads", "num_layers", "num_experts")
-               if key not in values]
+        raise QMoEConfigError(
+            f"{path} describes a {values['model_type']!r} model, not switch_transformers"
+        )
+    missing = [
+        key
+        for key in (
+            "vocab_size",
+            "d_model",
+            "d_kv",
+            "d_ff",
+            "num_heads",
+            "num_layers",
+            "num_experts",
+        )
+        if key not in values
+    ]
     if missing:
-        raise QMoEConfigError(f"{path} lacks {', '.join(missing)}, which a SwitchTransformersConfig has")
+        raise QMoEConfigError(
+            f"{path} lacks {', '.join(missing)}, which a SwitchTransformersConfig has"
+        )
     if values.get("is_gated_act"):
-        raise QMoEConfigError(f"{path} asks for a gated activation, which the published QMoE models do not use "
-                              "and this importer does not map")
+        raise QMoEConfigError(
+            f"{path} asks for a gated activation, which the published QMoE models do not use "
+            "and this importer does not map"
+        )
     activation = values.get("dense_act_fn", "relu")
     if activation not in ACTIVATIONS:
-        raise QMoEConfigError(f"{path}: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}")
+        raise QMoEConfigError(
+            f"{path}: activation {activation!r} is not one of {', '.join(ACTIVATIONS)}"
+        )
     encoder_layers = values["num_layers"]
     decoder_layers = values.get("num_decoder_layers") or encoder_layers
     architecture = {
-        "vocab_size": values["vocab_size"], "d_model": values["d_model"], "num_heads": values["num_heads"],
-        "d_kv": values["d_kv"], "d_ff": values["d_ff"], "num_encoder_layers": encoder_layers,
-        "num_decoder_layers": decoder_layers, "num_experts": values["num_experts"],
+        "vocab_size": values["vocab_size"],
+        "d_model": values["d_model"],
+        "num_heads": values["num_heads"],
+        "d_kv": values["d_kv"],
+        "d_ff": values["d_ff"],
+        "num_encoder_layers": encoder_layers,
+        "num_decoder_layers": decoder_layers,
+        "num_experts": values["num_experts"],
         "num_encoder_sparse_layers": _sparse_count(
-            encoder_layers, _hf_sparse_layers(values, encoder_layers, "encoder_sparse_step",
-                                              "num_sparse_encoder_layers"), "encoder", path),
+            encoder_layers,
+            _hf_sparse_layers(
+                values, encoder_layers, "encoder_sparse_step", "num_sparse_encoder_layers"
+            ),
+            "encoder",
+            path,
+        ),
         "num_decoder_sparse_layers": _sparse_count(
-            decoder_layers, _hf_sparse_layers(values, decoder_layers, "decoder_sparse_step",
-                                              "num_sparse_decoder_layers"), "decoder", path),
+            decoder_layers,
+            _hf_sparse_layers(
+                values, decoder_layers, "decoder_sparse_step", "num_sparse_decoder_layers"
+            ),
+            "decoder",
+            path,
+        ),
         "mlp_activations": (ACTIVATIONS[activation],),
         "logits_dense": not values.get("tie_word_embeddings", True),
         "relative_attention_num_buckets": values.get("relative_attention_num_buckets", 32),
@@ -110,10 +165,18 @@ def read_qmoe_config(path: str) -> tuple[SwitchConfig, list[str]]:
     }
     registered = _registered(values)
     if registered is None:
-        name = os.path.basename(os.path.dirname(os.path.abspath(path))).removesuffix("_qmoe") or "qmoe-import"
+        name = (
+            os.path.basename(os.path.dirname(os.path.abspath(path))).removesuffix("_qmoe")
+            or "qmoe-import"
+        )
         return SwitchConfig(name=name, dropout_rate=0.0, **architecture), []
-    differences = [f"{key}: config.json {architecture[key]}, get_config({registered.name!r}) {getattr(registered, key)}"
-                   for key in ARCHITECTURE if architecture[key] != getattr(registered, key)]
-    config = dataclasses.replace(registered, dropout_rate=0.0, checkpoint_path=None, checkpoint_step=None,
-                                 **architecture)
+    differences = [
+        f"{key}: config.json {architecture[key]}, get_config({registered.name!r}) "
+        f"{getattr(registered, key)}"
+        for key in ARCHITECTURE
+        if architecture[key] != getattr(registered, key)
+    ]
+    config = dataclasses.replace(
+        registered, dropout_rate=0.0, checkpoint_path=None, checkpoint_step=None, **architecture
+    )
     return config, differences

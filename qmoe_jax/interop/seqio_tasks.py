@@ -28,8 +28,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from qmoe_jax.data import bundled
-from qmoe_jax.data import Tokenizer
+from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.data.seq2seq import read_jsonl
 from qmoe_jax.data.tokenizer import NUM_SENTINELS
 from qmoe_jax.inference.evaluation import validation_set
@@ -60,34 +59,52 @@ def exact_match(targets, predictions) -> dict:
 def _span_corruption_dataset(split: str, shuffle_files: bool = False, seed=None) -> tf.data.Dataset:
     tokenizer = Tokenizer(_macro("VOCABULARY_FILE", required=True))
     lengths = _macro("TASK_FEATURE_LENGTHS") or {}
-    found = validation_set(_macro("QMOE_SPAN_SOURCE", "bundled"), tokenizer, _macro("QMOE_NUM_EXAMPLES"),
-                           lengths.get("inputs", bundled.INPUTS_LENGTH))
+    found = validation_set(
+        _macro("QMOE_SPAN_SOURCE", "bundled"),
+        tokenizer,
+        _macro("QMOE_NUM_EXAMPLES"),
+        lengths.get("inputs", bundled.INPUTS_LENGTH),
+    )
     inputs = [x for x, _ in found.examples]
     targets = [y for _, y in found.examples]
     spec = tf.TensorSpec([None], tf.int32)
-    return tf.data.Dataset.from_generator(lambda: ({"inputs": x, "targets": y} for x, y in zip(inputs, targets)),
-                                          output_signature={"inputs": spec, "targets": spec})
+    return tf.data.Dataset.from_generator(
+        lambda: ({"inputs": x, "targets": y} for x, y in zip(inputs, targets)),
+        output_signature={"inputs": spec, "targets": spec},
+    )
 
 
 def _jsonl_dataset(split: str, shuffle_files: bool = False, seed=None) -> tf.data.Dataset:
     examples = read_jsonl(_macro("QMOE_JSONL_FILE", required=True))
     spec = tf.TensorSpec([], tf.string)
-    return tf.data.Dataset.from_generator(lambda: ({"inputs": e.inputs, "targets": e.targets} for e in examples),
-                                          output_signature={"inputs": spec, "targets": spec})
+    return tf.data.Dataset.from_generator(
+        lambda: ({"inputs": e.inputs, "targets": e.targets} for e in examples),
+        output_signature={"inputs": spec, "targets": spec},
+    )
 
 
 def _register() -> None:
-    vocabulary = seqio.SentencePieceVocabulary(_macro("VOCABULARY_FILE", required=True), extra_ids=NUM_SENTINELS)
+    vocabulary = seqio.SentencePieceVocabulary(
+        _macro("VOCABULARY_FILE", required=True), extra_ids=NUM_SENTINELS
+    )
     features = {name: seqio.Feature(vocabulary, add_eos=True) for name in ("inputs", "targets")}
     for name in ("qmoe_span_corruption", "qmoe_jsonl_seq2seq"):
         if name in seqio.TaskRegistry.names():
             seqio.TaskRegistry.remove(name)
-    seqio.TaskRegistry.add("qmoe_span_corruption",
-                           source=seqio.FunctionDataSource(_span_corruption_dataset, splits=[SPLIT]),
-                           preprocessors=[], output_features=features, metric_fns=[score_metrics])
-    seqio.TaskRegistry.add("qmoe_jsonl_seq2seq", source=seqio.FunctionDataSource(_jsonl_dataset, splits=[SPLIT]),
-                           preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim],
-                           output_features=features, metric_fns=[score_metrics, exact_match])
+    seqio.TaskRegistry.add(
+        "qmoe_span_corruption",
+        source=seqio.FunctionDataSource(_span_corruption_dataset, splits=[SPLIT]),
+        preprocessors=[],
+        output_features=features,
+        metric_fns=[score_metrics],
+    )
+    seqio.TaskRegistry.add(
+        "qmoe_jsonl_seq2seq",
+        source=seqio.FunctionDataSource(_jsonl_dataset, splits=[SPLIT]),
+        preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim],
+        output_features=features,
+        metric_fns=[score_metrics, exact_match],
+    )
 
 
 _register()

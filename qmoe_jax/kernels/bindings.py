@@ -27,7 +27,8 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the installation
     raise ImportError(
         "qmoe_jax's native extension qmoe_jax_ext is missing: install qmoe_jax (`pip install .`), "
-        "or for development build it into the checkout's root with `cmake -S . -B build/dev -G Ninja "
+        "or for development build it into the checkout's root with `cmake -S . -B build/dev -G "
+        "Ninja "
         "&& cmake --build build/dev`"
     ) from error
 
@@ -70,13 +71,15 @@ def has_cuda_kernels() -> bool:
 
 
 def cpu_isas() -> list[str]:
-    """Instruction sets the CPU kernels can run on this machine, fastest first; the kernels use the first
-    unless QMOE_CPU_ISA names another. On AMD CPUs AVX2 comes before AVX-512 (measured faster on a Zen 4)."""
+    """Instruction sets the CPU kernels can run on this machine, fastest first; the kernels use the
+    first unless QMOE_CPU_ISA names another. On AMD CPUs AVX2 comes before AVX-512 (measured faster
+    on a Zen 4)."""
     return list(qmoe_jax_ext.cpu_isas())
 
 
 def _weight_bits(masks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(plus bool[65536, 28], minus bool[65536, 28], length in weights uint32[65536]) of ``Dictionary.masks``."""
+    """(plus bool[65536, 28], minus bool[65536, 28], length in weights uint32[65536]) of
+    ``Dictionary.masks``."""
     masks = np.asarray(masks, np.uint32)
     weight_bits = np.arange(28, dtype=np.uint32)
     plus = ((masks[:, 0, None] >> weight_bits) & 1).astype(bool)
@@ -125,19 +128,29 @@ def words_from_masks(masks: np.ndarray) -> np.ndarray:
     plus, minus, length = _weight_bits(masks)
     plus_positions, plus_count = _first_set_bits(plus, WORD_FIELDS)
     minus_positions, minus_count = _first_set_bits(minus, WORD_FIELDS)
-    # Field f holds the entry's f-th nonzero weight: plus weights first, then minus ones; unused fields 0.
+    # Field f holds the entry's f-th nonzero weight: plus weights first, then minus ones; unused
+    # fields 0.
     fields = np.zeros(len(length), np.uint32)
     for field in range(WORD_FIELDS):
         from_minus = np.clip(field - plus_count, 0, WORD_FIELDS - 1)
-        position = np.where(field < plus_count, plus_positions[:, field],
-                            np.take_along_axis(minus_positions, from_minus[:, None], axis=1)[:, 0])
+        position = np.where(
+            field < plus_count,
+            plus_positions[:, field],
+            np.take_along_axis(minus_positions, from_minus[:, None], axis=1)[:, 0],
+        )
         position = np.where(field < plus_count + minus_count, position, 0).astype(np.uint32)
         fields |= position << np.uint32(WORD_FIELD_BITS * field)
     overflow = plus_count + minus_count > WORD_FIELDS
-    kind = np.where(overflow, WORD_OVERFLOW_CLASS, (WORD_FIELDS + 1) * plus_count + minus_count).astype(np.uint32)
-    words = fields | (kind << np.uint32(WORD_CLASS_SHIFT)) | (length << np.uint32(WORD_LENGTH_SHIFT))
+    kind = np.where(
+        overflow, WORD_OVERFLOW_CLASS, (WORD_FIELDS + 1) * plus_count + minus_count
+    ).astype(np.uint32)
+    words = (
+        fields | (kind << np.uint32(WORD_CLASS_SHIFT)) | (length << np.uint32(WORD_LENGTH_SHIFT))
+    )
     words[0] |= np.uint32(WORDS_TABLE_OVERFLOWS if overflow.any() else 0)
-    words[0] |= np.uint32(WORDS_TABLE_HAS_FOURTH if (plus_count + minus_count == WORD_FIELDS).any() else 0)
+    words[0] |= np.uint32(
+        WORDS_TABLE_HAS_FOURTH if (plus_count + minus_count == WORD_FIELDS).any() else 0
+    )
     return words
 
 
@@ -146,8 +159,11 @@ def dictionary_operands(dictionary: Dictionary) -> tuple[jax.Array, jax.Array, j
     """(masks, slots, words) of a dictionary as device arrays, computed once per dictionary."""
     masks = np.asarray(dictionary.masks, np.uint32)
     with jax.ensure_compile_time_eval():  # concrete even when first asked inside a trace
-        return (jnp.asarray(masks), jnp.asarray(slots_from_masks(masks)),
-                jnp.asarray(words_from_masks(masks)))
+        return (
+            jnp.asarray(masks),
+            jnp.asarray(slots_from_masks(masks)),
+            jnp.asarray(words_from_masks(masks)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,15 +206,19 @@ def dequantize_call(static: Static, codes, row_offsets, minmax):
     """W as bf16[B..., rows, cols]."""
     result = jax.ShapeDtypeStruct((*minmax.shape[:-1], static.cols), jnp.bfloat16)
     return jax.ffi.ffi_call(DEQUANTIZE, result, vmap_method="expand_dims")(
-        *dictionary_operands(static.dictionary), codes, row_offsets, minmax,
-        cols=np.int64(static.cols)
+        *dictionary_operands(static.dictionary),
+        codes,
+        row_offsets,
+        minmax,
+        cols=np.int64(static.cols),
     )
 
 
 def _varying_like(results, reference):
-    """FFI results marked as varying over the shard_map axes ``reference`` varies over: an ffi_call's results carry
-    no varying axes, so inside ``shard_map`` (with its default check_vma) a ``lax.platform_dependent`` between
-    a kernel and its jnp twin would otherwise have branches of different types."""
+    """FFI results marked as varying over the shard_map axes ``reference`` varies over: an
+    ffi_call's results carry no varying axes, so inside ``shard_map`` (with its default check_vma) a
+    ``lax.platform_dependent`` between a kernel and its jnp twin would otherwise have branches of
+    different types."""
     aval = jax.typeof(reference)
     axes = getattr(aval, "vma", None)  # older jax; jax 0.10 keeps them in the manual axis type
     if axes is None:
@@ -218,30 +238,50 @@ def gptq_block_call(weights, corrections, scaled, factor_diag, params, levels: i
     Args (leading batch dims B... alike on all, as vmap gives them):
       weights, corrections: float32[B..., rows, m] (the block's columns of W, y = W·x orientation);
       scaled: float32[B..., m, m] (S, read above the diagonal); factor_diag: float32[B..., m];
-      params: [B..., rows, 2] (converted to float32); levels: 3 for the ternary grid, else the minmax
+      params: [B..., rows, 2] (converted to float32); levels: 3 for the ternary grid, else the
+        minmax
       grid's code count.
 
     Returns:
-      (residuals float32[B..., rows, m], codes uint8[B..., rows, m], squared errors float32[B..., rows]).
+      (residuals float32[B..., rows, m], codes uint8[B..., rows, m], squared errors float32[B...,
+      rows]).
     """
     weights = jnp.asarray(weights, jnp.float32)
     shape = weights.shape
-    if weights.ndim < 2 or jnp.shape(corrections) != shape or jnp.shape(scaled) != (*shape[:-2], shape[-1], shape[-1]) \
-            or jnp.shape(factor_diag) != (*shape[:-2], shape[-1]) or jnp.shape(params) != (*shape[:-1], 2):
-        raise ValueError(f"gptq_block_call expects weights and corrections [B..., rows, m], scaled [B..., m, m], "
-                         f"factor_diag [B..., m] and params [B..., rows, 2]; got {shape}, {jnp.shape(corrections)}, "
-                         f"{jnp.shape(scaled)}, {jnp.shape(factor_diag)}, {jnp.shape(params)}")
-    result = (jax.ShapeDtypeStruct(shape, jnp.float32), jax.ShapeDtypeStruct(shape, jnp.uint8),
-              jax.ShapeDtypeStruct(shape[:-1], jnp.float32))
+    if (
+        weights.ndim < 2
+        or jnp.shape(corrections) != shape
+        or jnp.shape(scaled) != (*shape[:-2], shape[-1], shape[-1])
+        or jnp.shape(factor_diag) != (*shape[:-2], shape[-1])
+        or jnp.shape(params) != (*shape[:-1], 2)
+    ):
+        raise ValueError(
+            "gptq_block_call expects weights and corrections [B..., rows, m], scaled [B..., m, "
+            "m], "
+            f"factor_diag [B..., m] and params [B..., rows, 2]; got {shape}, "
+            f"{jnp.shape(corrections)}, "
+            f"{jnp.shape(scaled)}, {jnp.shape(factor_diag)}, {jnp.shape(params)}"
+        )
+    result = (
+        jax.ShapeDtypeStruct(shape, jnp.float32),
+        jax.ShapeDtypeStruct(shape, jnp.uint8),
+        jax.ShapeDtypeStruct(shape[:-1], jnp.float32),
+    )
     results = jax.ffi.ffi_call(GPTQ_BLOCK, result, vmap_method="broadcast_all")(
-        weights, jnp.asarray(corrections, jnp.float32), jnp.asarray(scaled, jnp.float32),
-        jnp.asarray(factor_diag, jnp.float32), jnp.asarray(params, jnp.float32), levels=np.int64(levels))
+        weights,
+        jnp.asarray(corrections, jnp.float32),
+        jnp.asarray(scaled, jnp.float32),
+        jnp.asarray(factor_diag, jnp.float32),
+        jnp.asarray(params, jnp.float32),
+        levels=np.int64(levels),
+    )
     return _varying_like(results, weights)
 
 
 def cholesky_base_call(matrix):
-    """(L, L⁻¹) of SPD matrices A[B..., n, n] (lower triangle read), on the CPU (xla_ffi/cpu_cholesky.h): the
-    diagonal blocks of quant/linalg.py's Cholesky, whose ``_base_factor`` is its jnp twin."""
+    """(L, L⁻¹) of SPD matrices A[B..., n, n] (lower triangle read), on the CPU
+    (xla_ffi/cpu_cholesky.h): the diagonal blocks of quant/linalg.py's Cholesky, whose
+    ``_base_factor`` is its jnp twin."""
     matrix = jnp.asarray(matrix, jnp.float32)
     if matrix.ndim < 2 or matrix.shape[-1] != matrix.shape[-2]:
         raise ValueError(f"cholesky_base_call expects matrices [B..., n, n]; got {matrix.shape}")

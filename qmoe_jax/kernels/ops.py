@@ -41,10 +41,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from qmoe_jax.kernels import bindings
 from qmoe_jax.codec.containers import CompressedExperts, CompressedMatrix
 from qmoe_jax.codec.dictionary import Dictionary
 from qmoe_jax.codec.reference import decode_codes_jnp
+from qmoe_jax.kernels import bindings
 
 Compressed = CompressedMatrix | CompressedExperts
 # core(static, codes, row_offsets, minmax, x[B..., N, cols], counts int32[B...])

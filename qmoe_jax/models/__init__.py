@@ -3,10 +3,10 @@
 from qmoe_jax.models.configs import SwitchConfig as SwitchConfig
 from qmoe_jax.models.configs import config_names as config_names
 from qmoe_jax.models.configs import get_config as get_config
-from qmoe_jax.models.incremental import decode_step as decode_step
-from qmoe_jax.models.incremental import init_cache as init_cache
 from qmoe_jax.models.experts import ExpertKernel as ExpertKernel
 from qmoe_jax.models.experts import MlpExperts as MlpExperts
+from qmoe_jax.models.incremental import decode_step as decode_step
+from qmoe_jax.models.incremental import init_cache as init_cache
 from qmoe_jax.models.moe import ROUTER_METRICS as ROUTER_METRICS
 from qmoe_jax.models.moe import MoeLayer as MoeLayer
 from qmoe_jax.models.moe import Routing as Routing

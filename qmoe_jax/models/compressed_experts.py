@@ -6,7 +6,8 @@ ternary ``CompressedExperts`` stacks: ``expert/wi`` (or ``wi_0``/``wi_1``) and
 ``[E, C, in] → [E, C, out]`` is one ``ops.matmul`` call per layer, decoding every
 codeword once for all tokens of its expert. With the routing's ``counts`` the
 kernels compute only the slots in use and never decode an expert that
-received no token, so a decoding step costs the routed experts, not all E. The weights are frozen: gradients
+received no token, so a decoding step costs the routed experts, not all E. The weights are frozen:
+  gradients
 flow to the inputs only (``ops``' custom VJP), which is what fine-tuning the
 dense layers of a compressed model needs.
 
@@ -24,8 +25,8 @@ from collections.abc import Mapping
 import flax.linen as nn
 import jax
 
-from qmoe_jax.kernels import ops
 from qmoe_jax.codec import CompressedExperts, Dictionary
+from qmoe_jax.kernels import ops
 from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.layers import dropout
 from qmoe_jax.models.lora import LORA, adapter_output
@@ -52,7 +53,9 @@ class CompressedMlpExperts(nn.Module):
     def _dictionary(self) -> Dictionary:
         layer = ".".join(self.path[:-1])
         if layer not in self.dictionaries:
-            raise KeyError(f"no dictionary for sparse layer {layer!r}; known: {sorted(self.dictionaries)}")
+            raise KeyError(
+                f"no dictionary for sparse layer {layer!r}; known: {sorted(self.dictionaries)}"
+            )
         return self.dictionaries[layer]
 
     def _kernel(self, name: str) -> CompressedExperts:
@@ -61,16 +64,25 @@ class CompressedMlpExperts(nn.Module):
         kernel = self.get_variable("params", name)
         if kernel is None:
             raise ValueError(
-                f"{'/'.join(self.path)}/{name} is missing: compressed experts are loaded, not initialized; "
+                f"{'/'.join(self.path)}/{name} is missing: compressed experts are loaded, not "
+                "initialized; "
                 "use qmoe_jax.inference.open_model(<compressed directory>)"
             )
         if not isinstance(kernel, CompressedExperts):
-            raise TypeError(f"{'/'.join(self.path)}/{name} is a {type(kernel).__name__}, expected CompressedExperts")
+            raise TypeError(
+                f"{'/'.join(self.path)}/{name} is a {type(kernel).__name__}, expected "
+                "CompressedExperts"
+            )
         return kernel
 
     @nn.compact
-    def __call__(self, expert_inputs: jax.Array, counts: jax.Array | None = None, *,
-                 enable_dropout: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        expert_inputs: jax.Array,
+        counts: jax.Array | None = None,
+        *,
+        enable_dropout: bool = False,
+    ) -> jax.Array:
         cfg = self.config
         dictionary = self._dictionary()
         matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
@@ -86,7 +98,9 @@ class CompressedMlpExperts(nn.Module):
         return project("wo", hidden)
 
 
-def compressed_experts_cls(dictionaries: Mapping[str, Dictionary], mesh: jax.sharding.Mesh | None = None):
-    """The ``experts_cls`` for ``SwitchTransformer`` over compressed expert stacks (expert-parallel over
-    ``mesh``'s ``expert`` axis when given)."""
+def compressed_experts_cls(
+    dictionaries: Mapping[str, Dictionary], mesh: jax.sharding.Mesh | None = None
+):
+    """The ``experts_cls`` for ``SwitchTransformer`` over compressed expert stacks (expert-parallel
+    over ``mesh``'s ``expert`` axis when given)."""
     return functools.partial(CompressedMlpExperts, dictionaries=dict(dictionaries), mesh=mesh)

@@ -106,13 +106,25 @@ class SwitchConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "mlp_activations", tuple(self.mlp_activations))
-        positive = ("d_model", "num_heads", "d_kv", "d_ff", "vocab_size", "num_experts",
-                    "num_encoder_layers", "num_decoder_layers", "group_size",
-                    "relative_attention_num_buckets", "relative_attention_max_distance")
+        positive = (
+            "d_model",
+            "num_heads",
+            "d_kv",
+            "d_ff",
+            "vocab_size",
+            "num_experts",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "group_size",
+            "relative_attention_num_buckets",
+            "relative_attention_max_distance",
+        )
         for field in positive:
             if getattr(self, field) <= 0:
-                raise ValueError(f"SwitchConfig {self.name!r}: {field} must be positive, "
-                                 f"got {getattr(self, field)}")
+                raise ValueError(
+                    f"SwitchConfig {self.name!r}: {field} must be positive, "
+                    f"got {getattr(self, field)}"
+                )
         for stack in ("encoder", "decoder"):
             layers = getattr(self, f"num_{stack}_layers")
             sparse = getattr(self, f"num_{stack}_sparse_layers")
@@ -120,21 +132,30 @@ class SwitchConfig:
                 raise ValueError(
                     f"SwitchConfig {self.name!r}: num_{stack}_sparse_layers={sparse} must be 0 "
                     f"or divide num_{stack}_layers={layers} (layer i is sparse when "
-                    f"i % (L/NS) == L/NS - 1)")
+                    f"i % (L/NS) == L/NS - 1)"
+                )
         if not 1 <= len(self.mlp_activations) <= 2:
-            raise ValueError(f"SwitchConfig {self.name!r}: mlp_activations must have one entry "
-                             f"(plain MLP) or two (gated MLP), got {self.mlp_activations}")
+            raise ValueError(
+                f"SwitchConfig {self.name!r}: mlp_activations must have one entry "
+                f"(plain MLP) or two (gated MLP), got {self.mlp_activations}"
+            )
         for act in self.mlp_activations:
             if act not in _ACTIVATIONS:
-                raise ValueError(f"SwitchConfig {self.name!r}: unknown activation {act!r}; "
-                                 f"choose from {_ACTIVATIONS}")
+                raise ValueError(
+                    f"SwitchConfig {self.name!r}: unknown activation {act!r}; "
+                    f"choose from {_ACTIVATIONS}"
+                )
         for field in ("router_dtype", "param_dtype", "dtype"):
             if getattr(self, field) not in _DTYPES:
-                raise ValueError(f"SwitchConfig {self.name!r}: {field}={getattr(self, field)!r} "
-                                 f"is not one of {_DTYPES}")
+                raise ValueError(
+                    f"SwitchConfig {self.name!r}: {field}={getattr(self, field)!r} "
+                    f"is not one of {_DTYPES}"
+                )
         if self.relative_attention_num_buckets % 2:
-            raise ValueError(f"SwitchConfig {self.name!r}: relative_attention_num_buckets must "
-                             f"be even (half per direction in the encoder)")
+            raise ValueError(
+                f"SwitchConfig {self.name!r}: relative_attention_num_buckets must "
+                f"be even (half per direction in the encoder)"
+            )
         if min(self.train_capacity_factor, self.eval_capacity_factor) <= 0:
             raise ValueError(f"SwitchConfig {self.name!r}: capacity factors must be positive")
         if self.min_expert_capacity < 1:
@@ -180,22 +201,32 @@ class SwitchConfig:
         return out
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "SwitchConfig":
+    def from_dict(cls, values: dict[str, Any]) -> SwitchConfig:
         """Builds a config from ``to_dict`` output; unknown keys are an error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown SwitchConfig fields {unknown}; known fields: {sorted(known)}")
+            raise ValueError(
+                f"unknown SwitchConfig fields {unknown}; known fields: {sorted(known)}"
+            )
         return cls(**values)
 
 
 def _switch_base(experts: int, step: int) -> SwitchConfig:
     return SwitchConfig(
         name=f"switch-base-{experts}",
-        d_model=768, num_heads=12, d_kv=64, d_ff=3072,
-        num_encoder_layers=12, num_decoder_layers=12, num_experts=experts,
-        num_encoder_sparse_layers=6, num_decoder_sparse_layers=6,
-        train_capacity_factor=1.25, eval_capacity_factor=2.0, min_expert_capacity=4,
+        d_model=768,
+        num_heads=12,
+        d_kv=64,
+        d_ff=3072,
+        num_encoder_layers=12,
+        num_decoder_layers=12,
+        num_experts=experts,
+        num_encoder_sparse_layers=6,
+        num_decoder_sparse_layers=6,
+        train_capacity_factor=1.25,
+        eval_capacity_factor=2.0,
+        min_expert_capacity=4,
         group_size=8192,
         checkpoint_path=f"{_CHECKPOINT_ROOT}/base/e{experts}/checkpoint_{step}",
         checkpoint_step=step,
@@ -208,32 +239,57 @@ def _named_configs() -> dict[str, SwitchConfig]:
         *(_switch_base(e, 550000) for e in (16, 32, 64, 128, 256)),
         SwitchConfig(
             name="switch-large-128",
-            d_model=1024, num_heads=16, d_kv=64, d_ff=4096,
-            num_encoder_layers=24, num_decoder_layers=24, num_experts=128,
-            num_encoder_sparse_layers=12, num_decoder_sparse_layers=12,
-            train_capacity_factor=1.25, eval_capacity_factor=2.0, min_expert_capacity=4,
+            d_model=1024,
+            num_heads=16,
+            d_kv=64,
+            d_ff=4096,
+            num_encoder_layers=24,
+            num_decoder_layers=24,
+            num_experts=128,
+            num_encoder_sparse_layers=12,
+            num_decoder_sparse_layers=12,
+            train_capacity_factor=1.25,
+            eval_capacity_factor=2.0,
+            min_expert_capacity=4,
             group_size=4096,
             checkpoint_path=f"{_CHECKPOINT_ROOT}/large/e128/checkpoint_483100",
             checkpoint_step=483100,
         ),
         SwitchConfig(
             name="switch-xxl-128",
-            d_model=4096, num_heads=64, d_kv=64, d_ff=10240,
-            num_encoder_layers=24, num_decoder_layers=24, num_experts=128,
-            num_encoder_sparse_layers=12, num_decoder_sparse_layers=12,
-            mlp_activations=("gelu", "linear"), logits_dense=True,
-            train_capacity_factor=1.25, eval_capacity_factor=4.0, min_expert_capacity=2,
+            d_model=4096,
+            num_heads=64,
+            d_kv=64,
+            d_ff=10240,
+            num_encoder_layers=24,
+            num_decoder_layers=24,
+            num_experts=128,
+            num_encoder_sparse_layers=12,
+            num_decoder_sparse_layers=12,
+            mlp_activations=("gelu", "linear"),
+            logits_dense=True,
+            train_capacity_factor=1.25,
+            eval_capacity_factor=4.0,
+            min_expert_capacity=2,
             group_size=4096,
             checkpoint_path=f"{_CHECKPOINT_ROOT}/xxl/e128/checkpoint_634600",
             checkpoint_step=634600,
         ),
         SwitchConfig(
             name="switch-c-2048",
-            d_model=2080, num_heads=30, d_kv=64, d_ff=6144,
-            num_encoder_layers=15, num_decoder_layers=15, num_experts=2048,
-            num_encoder_sparse_layers=15, num_decoder_sparse_layers=15,
+            d_model=2080,
+            num_heads=30,
+            d_kv=64,
+            d_ff=6144,
+            num_encoder_layers=15,
+            num_decoder_layers=15,
+            num_experts=2048,
+            num_encoder_sparse_layers=15,
+            num_decoder_sparse_layers=15,
             logits_dense=True,
-            train_capacity_factor=1.0, eval_capacity_factor=2.0, min_expert_capacity=2,
+            train_capacity_factor=1.0,
+            eval_capacity_factor=2.0,
+            min_expert_capacity=2,
             group_size=2048,
             checkpoint_path=f"{_CHECKPOINT_ROOT}/c/e2048/checkpoint_611800",
             checkpoint_step=611800,
@@ -249,13 +305,24 @@ def _named_configs() -> dict[str, SwitchConfig]:
         # 10x smaller initialization (0.1) keeps it stable.
         SwitchConfig(
             name="switch-mini-8",
-            vocab_size=4224, d_model=128, num_heads=4, d_kv=32, d_ff=512,
-            num_encoder_layers=4, num_decoder_layers=4, num_experts=8,
-            num_encoder_sparse_layers=4, num_decoder_sparse_layers=4,
+            vocab_size=4224,
+            d_model=128,
+            num_heads=4,
+            d_kv=32,
+            d_ff=512,
+            num_encoder_layers=4,
+            num_decoder_layers=4,
+            num_experts=8,
+            num_encoder_sparse_layers=4,
+            num_decoder_sparse_layers=4,
             dropout_rate=0.1,
-            train_capacity_factor=1.25, eval_capacity_factor=2.0, min_expert_capacity=4,
-            group_size=4096, init_scale=0.1,
-            checkpoint_path="checkpoints/switch-mini-8/checkpoint_6000", checkpoint_step=6000,
+            train_capacity_factor=1.25,
+            eval_capacity_factor=2.0,
+            min_expert_capacity=4,
+            group_size=4096,
+            init_scale=0.1,
+            checkpoint_path="checkpoints/switch-mini-8/checkpoint_6000",
+            checkpoint_step=6000,
         ),
     ]
     return {c.name: c for c in configs}
@@ -278,8 +345,9 @@ def get_config(name: str) -> SwitchConfig:
     try:
         return _CONFIGS[name]
     except KeyError:
-        raise KeyError(f"unknown SwitchTransformer config {name!r}; known configs: "
-                       f"{', '.join(_CONFIGS)}") from None
+        raise KeyError(
+            f"unknown SwitchTransformer config {name!r}; known configs: {', '.join(_CONFIGS)}"
+        ) from None
 
 
 def resolve_config(spec: str) -> SwitchConfig:

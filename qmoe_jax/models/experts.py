@@ -37,13 +37,14 @@ from qmoe_jax.models.mlp import hidden_units
 
 def expert_kernel_init(scale: float):
     """T5X expert initializer: variance scaling (fan_in, normal) per expert of ``[E, in, out]``."""
-    return nn.initializers.variance_scaling(scale, "fan_in", "normal",
-                                            in_axis=-2, out_axis=-1, batch_axis=(0,))
+    return nn.initializers.variance_scaling(
+        scale, "fan_in", "normal", in_axis=-2, out_axis=-1, batch_axis=(0,)
+    )
 
 
 class ExpertKernel(nn.Module):
-    """A stack of E expert matrices ``kernel [E, in, out]``: ``[E, T, in] → [E, T, out]``, or per token
-    ``[N, in] → [N, out]`` through the kernels of ``expert_index int32[N]``."""
+    """A stack of E expert matrices ``kernel [E, in, out]``: ``[E, T, in] → [E, T, out]``, or per
+    token ``[N, in] → [N, out]`` through the kernels of ``expert_index int32[N]``."""
 
     features: int
     config: SwitchConfig
@@ -51,10 +52,16 @@ class ExpertKernel(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, expert_index: jax.Array | None = None) -> jax.Array:
         cfg = self.config
-        kernel = self.param("kernel", expert_kernel_init(cfg.init_scale),
-                            (cfg.num_experts, x.shape[-1], self.features), cfg.jnp_param_dtype)
+        kernel = self.param(
+            "kernel",
+            expert_kernel_init(cfg.init_scale),
+            (cfg.num_experts, x.shape[-1], self.features),
+            cfg.jnp_param_dtype,
+        )
         if expert_index is not None:
-            return jnp.einsum("nd,ndf->nf", x.astype(cfg.jnp_dtype), kernel[expert_index].astype(cfg.jnp_dtype))
+            return jnp.einsum(
+                "nd,ndf->nf", x.astype(cfg.jnp_dtype), kernel[expert_index].astype(cfg.jnp_dtype)
+            )
         return jnp.einsum("etd,edf->etf", x.astype(cfg.jnp_dtype), kernel.astype(cfg.jnp_dtype))
 
 
@@ -72,9 +79,17 @@ class MlpExperts(nn.Module):
     gather_tokens: int = 16
 
     @nn.compact
-    def __call__(self, expert_inputs: jax.Array, counts: jax.Array | None = None, *,
-                 enable_dropout: bool = False, expert_index: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self,
+        expert_inputs: jax.Array,
+        counts: jax.Array | None = None,
+        *,
+        enable_dropout: bool = False,
+        expert_index: jax.Array | None = None,
+    ) -> jax.Array:
         cfg = self.config
-        hidden = hidden_units(cfg, lambda name: ExpertKernel(cfg.d_ff, cfg, name=name)(expert_inputs, expert_index))
+        hidden = hidden_units(
+            cfg, lambda name: ExpertKernel(cfg.d_ff, cfg, name=name)(expert_inputs, expert_index)
+        )
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
         return ExpertKernel(cfg.d_model, cfg, name="wo")(hidden, expert_index)

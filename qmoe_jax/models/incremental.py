@@ -1,4 +1,5 @@
-"""Incremental decoding with the T5X-style ``cache`` collection (strategies: ``qmoe_jax.inference.strategies``).
+"""Incremental decoding with the T5X-style ``cache`` collection (strategies:
+``qmoe_jax.inference.strategies``).
 
 Lingo: L_max = decode length (cache slots); the decoder starts from token 0
 (PAD = decoder start), feeds one token per step and reads the next-token logits;
@@ -20,8 +21,13 @@ Cache = Any
 
 
 @functools.partial(jax.jit, static_argnames=("model", "max_decode_length"))
-def init_cache(model: SwitchTransformer, params: Params, encoded: jax.Array,
-               encoder_input_tokens: jax.Array, max_decode_length: int) -> Cache:
+def init_cache(
+    model: SwitchTransformer,
+    params: Params,
+    encoded: jax.Array,
+    encoder_input_tokens: jax.Array,
+    max_decode_length: int,
+) -> Cache:
     """Creates an empty decoder cache for ``B = encoded.shape[0]`` sequences of L_max tokens.
 
     Args:
@@ -35,21 +41,40 @@ def init_cache(model: SwitchTransformer, params: Params, encoded: jax.Array,
         raise ValueError(f"max_decode_length must be >= 1, got {max_decode_length}")
     batch = encoded.shape[0]
     dummy = jnp.zeros((batch, max_decode_length), jnp.int32)
-    _, variables = model.apply({"params": params}, encoded, encoder_input_tokens, dummy,
-                               decode=True, mutable=["cache"], method="decode")
+    _, variables = model.apply(
+        {"params": params},
+        encoded,
+        encoder_input_tokens,
+        dummy,
+        decode=True,
+        mutable=["cache"],
+        method="decode",
+    )
     return variables["cache"]
 
 
 @functools.partial(jax.jit, static_argnames=("model",))
-def decode_step(model: SwitchTransformer, params: Params, cache: Cache, encoded: jax.Array,
-                encoder_input_tokens: jax.Array, tokens: jax.Array) -> tuple[jax.Array, Cache]:
+def decode_step(
+    model: SwitchTransformer,
+    params: Params,
+    cache: Cache,
+    encoded: jax.Array,
+    encoder_input_tokens: jax.Array,
+    tokens: jax.Array,
+) -> tuple[jax.Array, Cache]:
     """Feeds ``tokens int32[B, L_q]`` at the cache's current position.
 
     Returns:
       ``(logits float32[B, L_q, V], updated cache)``; logits at query i predict
       the token after ``tokens[:, i]``.
     """
-    logits, variables = model.apply({"params": params, "cache": cache}, encoded,
-                                    encoder_input_tokens, tokens, decode=True,
-                                    mutable=["cache"], method="decode")
+    logits, variables = model.apply(
+        {"params": params, "cache": cache},
+        encoded,
+        encoder_input_tokens,
+        tokens,
+        decode=True,
+        mutable=["cache"],
+        method="decode",
+    )
     return logits, variables["cache"]

@@ -10,7 +10,7 @@ Parameter names follow flaxformer, so a T5X checkpoint loads without renaming.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -41,8 +41,9 @@ class DenseKernel(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", self.init, (x.shape[-1], self.features),
-                            self.config.jnp_param_dtype)
+        kernel = self.param(
+            "kernel", self.init, (x.shape[-1], self.features), self.config.jnp_param_dtype
+        )
         dtype = self.dtype or self.config.jnp_dtype
         return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
@@ -54,16 +55,20 @@ class RmsNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],),
-                           self.config.jnp_param_dtype)
+        scale = self.param(
+            "scale", nn.initializers.ones, (x.shape[-1],), self.config.jnp_param_dtype
+        )
         x = x.astype(jnp.float32)
         mean_square = jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-        y = (x * jax.lax.rsqrt(mean_square + self.config.layer_norm_epsilon)).astype(self.config.jnp_dtype)
+        y = (x * jax.lax.rsqrt(mean_square + self.config.layer_norm_epsilon)).astype(
+            self.config.jnp_dtype
+        )
         return y * scale.astype(self.config.jnp_dtype)
 
 
-def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool,
-                             num_buckets: int, max_distance: int) -> np.ndarray:
+def relative_position_bucket(
+    relative_position: np.ndarray, bidirectional: bool, num_buckets: int, max_distance: int
+) -> np.ndarray:
     """T5 bucket of ``memory_position - query_position`` (numpy, int32).
 
     Half the buckets (per direction when bidirectional) hold exact distances
@@ -82,7 +87,9 @@ def relative_position_bucket(relative_position: np.ndarray, bidirectional: bool,
     with np.errstate(divide="ignore"):
         large = max_exact + (
             np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
-            / np.log(max_distance / max_exact) * (num_buckets - max_exact)).astype(np.int32)
+            / np.log(max_distance / max_exact)
+            * (num_buckets - max_exact)
+        ).astype(np.int32)
     large = np.minimum(large, num_buckets - 1)
     return bucket + np.where(n < max_exact, n, large)
 
@@ -102,24 +109,33 @@ class RelativePositionBias(nn.Module):
 
     def _buckets(self, relative: np.ndarray) -> np.ndarray:
         cfg = self.config
-        return relative_position_bucket(relative, self.bidirectional, cfg.relative_attention_num_buckets,
-                                        cfg.relative_attention_max_distance)
+        return relative_position_bucket(
+            relative,
+            self.bidirectional,
+            cfg.relative_attention_num_buckets,
+            cfg.relative_attention_max_distance,
+        )
 
     @nn.compact
-    def __call__(self, query_length: int, key_length: int,
-                 decode_position: jax.Array | None = None) -> jax.Array:
+    def __call__(
+        self, query_length: int, key_length: int, decode_position: jax.Array | None = None
+    ) -> jax.Array:
         cfg = self.config
         table = self.param(
             "rel_embedding",
             nn.initializers.variance_scaling(cfg.init_scale, "fan_avg", "uniform"),
-            (cfg.num_heads, cfg.relative_attention_num_buckets), cfg.jnp_param_dtype)
+            (cfg.num_heads, cfg.relative_attention_num_buckets),
+            cfg.jnp_param_dtype,
+        )
         if decode_position is None:
             relative = np.arange(key_length)[None, :] - np.arange(query_length)[:, None]
             buckets = jnp.asarray(self._buckets(relative))
         else:
             offsets = self.variable(
-                "cache", "relative_buckets",
-                lambda: jnp.asarray(self._buckets(np.arange(1 - key_length, key_length))))
+                "cache",
+                "relative_buckets",
+                lambda: jnp.asarray(self._buckets(np.arange(1 - key_length, key_length))),
+            )
             length = (offsets.value.shape[0] + 1) // 2
             queries = decode_position + jnp.arange(query_length)
             buckets = offsets.value[jnp.arange(length)[None, :] - queries[:, None] + length - 1]
@@ -136,8 +152,13 @@ def causal_mask(length: int) -> jax.Array:
     return jnp.tril(jnp.ones((length, length), bool))[None, None]
 
 
-def dropout(x: jax.Array, rate: float, enable_dropout: bool, module: nn.Module,
-            broadcast_dims: tuple[int, ...] = (-2,)) -> jax.Array:
+def dropout(
+    x: jax.Array,
+    rate: float,
+    enable_dropout: bool,
+    module: nn.Module,
+    broadcast_dims: tuple[int, ...] = (-2,),
+) -> jax.Array:
     """T5X dropout: one mask shared along ``broadcast_dims`` (the length axis by default)."""
     if not enable_dropout or rate == 0.0:
         return x
@@ -164,9 +185,17 @@ class MultiHeadAttention(nn.Module):
         return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.d_kv)
 
     @nn.compact
-    def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array, mask: jax.Array | None,
-                 bias: jax.Array | None, *, enable_dropout: bool = False,
-                 cache_position: jax.Array | None = None, cache_encoded: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        inputs_q: jax.Array,
+        inputs_kv: jax.Array,
+        mask: jax.Array | None,
+        bias: jax.Array | None,
+        *,
+        enable_dropout: bool = False,
+        cache_position: jax.Array | None = None,
+        cache_encoded: bool = False,
+    ) -> jax.Array:
         """Attends ``inputs_q [B, L_q, d]`` to ``inputs_kv [B, L_k, d]``.
 
         Args:
@@ -201,7 +230,9 @@ class MultiHeadAttention(nn.Module):
             # cache_position and attend to everything written so far.
             initialized = self.has_variable("cache", "cached_key")
             cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
-            cached_value = self.variable("cache", "cached_value", jnp.zeros, value.shape, value.dtype)
+            cached_value = self.variable(
+                "cache", "cached_value", jnp.zeros, value.shape, value.dtype
+            )
             if initialized:
                 start = (0, cache_position, 0, 0)
                 cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
@@ -228,7 +259,8 @@ class MultiHeadAttention(nn.Module):
 
 
 class DenseMlp(nn.Module):
-    """T5 MLP ``wo(act(x wi))``, or gated ``wo(act0(x wi_0) * act1(x wi_1))``; ``[.., d] → [.., d]``."""
+    """T5 MLP ``wo(act(x wi))``, or gated ``wo(act0(x wi_0) * act1(x wi_1))``; ``[.., d] → [..,
+    d]``."""
 
     config: SwitchConfig
 

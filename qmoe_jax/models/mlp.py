@@ -8,7 +8,7 @@ hidden units here, so they agree with T5X's parameter tree and with each other.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -18,12 +18,12 @@ from qmoe_jax.models.configs import SwitchConfig
 
 def activation(name: str) -> Callable[[jax.Array], jax.Array]:
     """flaxformer's activation names: relu, gelu (tanh approximation), silu, linear."""
-    return {"relu": jax.nn.relu, "gelu": nn.gelu, "silu": jax.nn.silu,
-            "linear": lambda x: x}[name]
+    return {"relu": jax.nn.relu, "gelu": nn.gelu, "silu": jax.nn.silu, "linear": lambda x: x}[name]
 
 
 def input_kernel_names(config: SwitchConfig) -> tuple[str, ...]:
-    """The MLP's input kernels, in ``mlp_activations`` order: ``("wi",)`` or ``("wi_0", "wi_1")``."""
+    """The MLP's input kernels, in ``mlp_activations`` order: ``("wi",)`` or ``("wi_0",
+    "wi_1")``."""
     return ("wi_0", "wi_1") if config.gated_mlp else ("wi",)
 
 

@@ -26,7 +26,8 @@ names; ``router_metrics`` averages them over layers like T5X.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -37,12 +38,18 @@ from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.experts import MlpExperts
 from qmoe_jax.models.layers import DenseKernel
 
-ROUTER_METRICS = ("auxiliary_loss", "router_z_loss", "fraction_tokens_left_behind",
-                  "router_confidence", "expert_usage")
+ROUTER_METRICS = (
+    "auxiliary_loss",
+    "router_z_loss",
+    "fraction_tokens_left_behind",
+    "router_confidence",
+    "expert_usage",
+)
 
 
-def num_groups(num_tokens: int, group_size: int, num_experts: int,
-               multiple_of_experts: bool) -> int:
+def num_groups(
+    num_tokens: int, group_size: int, num_experts: int, multiple_of_experts: bool
+) -> int:
     """Number of routing groups G for N tokens (T5X ``moe_layers._num_groups``).
 
     T5X takes the smallest G >= max(N // group_size, E) with N % G == 0 and
@@ -65,9 +72,11 @@ def num_groups(num_tokens: int, group_size: int, num_experts: int,
     return groups
 
 
-def expert_capacity(tokens_per_group: int, num_experts: int, capacity_factor: float,
-                    min_capacity: int) -> int:
-    """Slots per expert and group: ``max(round(CF * S / E), min_capacity)`` (Python rounding, as T5X)."""
+def expert_capacity(
+    tokens_per_group: int, num_experts: int, capacity_factor: float, min_capacity: int
+) -> int:
+    """Slots per expert and group: ``max(round(CF * S / E), min_capacity)`` (Python rounding, as
+    T5X)."""
     return max(int(round(capacity_factor * tokens_per_group / num_experts)), min_capacity)
 
 
@@ -105,9 +114,17 @@ def route_top1(router_logits: jax.Array, capacity: int) -> Routing:
     tokens_fraction = jnp.mean(chosen.astype(jnp.float32), axis=1)
     probs_fraction = jnp.mean(probs, axis=1)
     auxiliary_loss = jnp.mean(tokens_fraction * probs_fraction) * num_experts**2
-    router_z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1)))
-    return Routing(expert_index, position.astype(jnp.int32), gate, position < capacity,
-                   auxiliary_loss, router_z_loss)
+    router_z_loss = jnp.mean(
+        jnp.square(jax.nn.logsumexp(router_logits.astype(jnp.float32), axis=-1))
+    )
+    return Routing(
+        expert_index,
+        position.astype(jnp.int32),
+        gate,
+        position < capacity,
+        auxiliary_loss,
+        router_z_loss,
+    )
 
 
 def _kept_per_group(routing: Routing, num_experts: int) -> jax.Array:
@@ -127,7 +144,9 @@ def _buffer_rows(routing: Routing, num_experts: int, capacity: int) -> jax.Array
     Expert e's kept tokens take rows ``e*G*C + 0 .. counts[e]-1`` in (group, position) order.
     """
     groups = routing.expert_index.shape[0]
-    kept_before = jnp.cumsum(_kept_per_group(routing, num_experts), axis=0) - _kept_per_group(routing, num_experts)
+    kept_before = jnp.cumsum(_kept_per_group(routing, num_experts), axis=0) - _kept_per_group(
+        routing, num_experts
+    )
     earlier = jnp.take_along_axis(kept_before, routing.expert_index, axis=1)
     rows = routing.expert_index * (groups * capacity) + earlier + routing.position
     return jnp.where(routing.kept, rows, num_experts * groups * capacity).reshape(-1)
@@ -163,8 +182,9 @@ class RouterWeights(nn.Module):
     @nn.compact
     def __call__(self, tokens: jax.Array) -> jax.Array:
         cfg = self.config
-        return DenseKernel(cfg.num_experts, cfg, nn.initializers.normal(2e-2),
-                           dtype=cfg.jnp_router_dtype, name="w")(tokens)
+        return DenseKernel(
+            cfg.num_experts, cfg, nn.initializers.normal(2e-2), dtype=cfg.jnp_router_dtype, name="w"
+        )(tokens)
 
 
 class Router(nn.Module):
@@ -207,14 +227,20 @@ class MoeLayer(nn.Module):
         routing = route_top1(Router(cfg, name="router")(grouped), slots)
         experts = self.experts_cls(config=cfg, name="expert")
         if tokens <= getattr(experts, "gather_tokens", 0):
-            outputs = experts(grouped.reshape(tokens, width).astype(cfg.jnp_dtype),
-                              expert_index=routing.expert_index.reshape(tokens), enable_dropout=enable_dropout)
+            outputs = experts(
+                grouped.reshape(tokens, width).astype(cfg.jnp_dtype),
+                expert_index=routing.expert_index.reshape(tokens),
+                enable_dropout=enable_dropout,
+            )
             scale = jnp.where(routing.kept, routing.gate, 0.0).reshape(tokens, 1)
             combined = outputs.astype(cfg.jnp_dtype) * scale.astype(cfg.jnp_dtype)
         else:
             expert_inputs = dispatch(grouped.astype(cfg.jnp_dtype), routing, cfg.num_experts, slots)
-            expert_outputs = experts(expert_inputs, counts=expert_counts(routing, cfg.num_experts),
-                                     enable_dropout=enable_dropout)
+            expert_outputs = experts(
+                expert_inputs,
+                counts=expert_counts(routing, cfg.num_experts),
+                enable_dropout=enable_dropout,
+            )
             combined = combine(expert_outputs.astype(cfg.jnp_dtype), routing, slots)
 
         kept = jnp.sum(routing.kept)
@@ -222,7 +248,8 @@ class MoeLayer(nn.Module):
             "auxiliary_loss": routing.auxiliary_loss,
             "router_z_loss": routing.router_z_loss,
             "fraction_tokens_left_behind": 1.0 - kept / tokens,
-            "router_confidence": jnp.sum(jnp.where(routing.kept, routing.gate, 0.0)) / jnp.maximum(kept, 1),
+            "router_confidence": jnp.sum(jnp.where(routing.kept, routing.gate, 0.0))
+            / jnp.maximum(kept, 1),
             "expert_usage": kept / (cfg.num_experts * capacity * groups),
         }
         for metric, value in metrics.items():
@@ -245,11 +272,17 @@ def router_metrics(intermediates: Mapping[str, Any]) -> dict[str, jax.Array]:
     flat = traverse_util.flatten_dict(dict(intermediates))
     out = {}
     for metric in ROUTER_METRICS:
-        values = [jnp.asarray(v, jnp.float32) for path, sown in flat.items()
-                  if path[-1] == metric for v in sown]
+        values = [
+            jnp.asarray(v, jnp.float32)
+            for path, sown in flat.items()
+            if path[-1] == metric
+            for v in sown
+        ]
         if not values:
-            raise ValueError(f"no sown router metric {metric!r}: pass the 'intermediates' "
-                             f"collection of an apply(..., mutable=['intermediates']) call "
-                             f"of a model with sparse layers")
+            raise ValueError(
+                f"no sown router metric {metric!r}: pass the 'intermediates' "
+                f"collection of an apply(..., mutable=['intermediates']) call "
+                f"of a model with sparse layers"
+            )
         out[metric] = jnp.mean(jnp.stack(values))
     return out

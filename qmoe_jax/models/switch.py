@@ -22,8 +22,17 @@ import jax.numpy as jnp
 
 from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.experts import MlpExperts
-from qmoe_jax.models.layers import (DenseKernel, DenseMlp, MultiHeadAttention, RelativePositionBias,
-                                    RmsNorm, attention_mask, causal_mask, dropout, kernel_init)
+from qmoe_jax.models.layers import (
+    DenseKernel,
+    DenseMlp,
+    MultiHeadAttention,
+    RelativePositionBias,
+    RmsNorm,
+    attention_mask,
+    causal_mask,
+    dropout,
+    kernel_init,
+)
 from qmoe_jax.models.moe import MoeLayer
 
 
@@ -34,8 +43,12 @@ class Embedding(nn.Module):
 
     def setup(self):
         cfg = self.config
-        self.embedding = self.param("embedding", nn.initializers.normal(1.0),
-                                    (cfg.vocab_size, cfg.d_model), cfg.jnp_param_dtype)
+        self.embedding = self.param(
+            "embedding",
+            nn.initializers.normal(1.0),
+            (cfg.vocab_size, cfg.d_model),
+            cfg.jnp_param_dtype,
+        )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         return jnp.take(self.embedding, tokens, axis=0).astype(self.config.jnp_dtype)
@@ -98,23 +111,59 @@ class DecoderLayer(nn.Module):
         self.pre_mlp_layer_norm = RmsNorm(cfg)
         self.mlp = _mlp(cfg, self.sparse, self.experts_cls)
 
-    def attend(self, x, encoded, self_mask, cross_mask, bias, logit_mask, *,
-               enable_dropout: bool = False, cache_position=None):
+    def attend(
+        self,
+        x,
+        encoded,
+        self_mask,
+        cross_mask,
+        bias,
+        logit_mask,
+        *,
+        enable_dropout: bool = False,
+        cache_position=None,
+    ):
         """(residual stream after both attentions, MLP input), both ``[B, L, d]``."""
         cfg = self.config
         h = self.pre_self_attention_layer_norm(x) * logit_mask
-        h = self.self_attention(h, h, self_mask, bias, enable_dropout=enable_dropout, cache_position=cache_position)
+        h = self.self_attention(
+            h, h, self_mask, bias, enable_dropout=enable_dropout, cache_position=cache_position
+        )
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
         h = self.pre_cross_attention_layer_norm(x) * logit_mask
-        h = self.encoder_decoder_attention(h, encoded, cross_mask, None, enable_dropout=enable_dropout,
-                                           cache_encoded=cache_position is not None)
+        h = self.encoder_decoder_attention(
+            h,
+            encoded,
+            cross_mask,
+            None,
+            enable_dropout=enable_dropout,
+            cache_encoded=cache_position is not None,
+        )
         x = x + dropout(h, cfg.dropout_rate, enable_dropout, self)
         return x, self.pre_mlp_layer_norm(x) * logit_mask
 
-    def __call__(self, x, encoded, self_mask, cross_mask, bias, logit_mask, *,
-                 enable_dropout: bool = False, cache_position=None):
-        x, h = self.attend(x, encoded, self_mask, cross_mask, bias, logit_mask,
-                           enable_dropout=enable_dropout, cache_position=cache_position)
+    def __call__(
+        self,
+        x,
+        encoded,
+        self_mask,
+        cross_mask,
+        bias,
+        logit_mask,
+        *,
+        enable_dropout: bool = False,
+        cache_position=None,
+    ):
+        x, h = self.attend(
+            x,
+            encoded,
+            self_mask,
+            cross_mask,
+            bias,
+            logit_mask,
+            enable_dropout=enable_dropout,
+            cache_position=cache_position,
+        )
         h = self.mlp(h, enable_dropout=enable_dropout)
         return x + dropout(h, self.config.dropout_rate, enable_dropout, self)
 
@@ -134,8 +183,9 @@ class Encoder(nn.Module):
         mask = attention_mask(valid, valid)
         bias = RelativePositionBias(cfg, bidirectional=True, name="relpos_bias")(length, length)
         for i in range(cfg.num_encoder_layers):
-            x = EncoderLayer(cfg, cfg.is_sparse_layer(i, decoder=False), self.experts_cls,
-                             name=f"layers_{i}")(x, mask, bias, logit_mask, enable_dropout=enable_dropout)
+            x = EncoderLayer(
+                cfg, cfg.is_sparse_layer(i, decoder=False), self.experts_cls, name=f"layers_{i}"
+            )(x, mask, bias, logit_mask, enable_dropout=enable_dropout)
         x = RmsNorm(cfg, name="encoder_norm")(x)
         return dropout(x, cfg.dropout_rate, enable_dropout, self) * logit_mask
 
@@ -154,8 +204,16 @@ class Decoder(nn.Module):
     experts_cls: Any = MlpExperts
 
     @nn.compact
-    def __call__(self, encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
-                 *, enable_dropout: bool = False, decode: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        encoded,
+        encoder_input_tokens,
+        decoder_input_tokens,
+        decoder_target_tokens,
+        *,
+        enable_dropout: bool = False,
+        decode: bool = False,
+    ) -> jax.Array:
         cfg = self.config
         batch, length = decoder_input_tokens.shape
         x = dropout(self.embedder(decoder_input_tokens), cfg.dropout_rate, enable_dropout, self)
@@ -182,14 +240,28 @@ class Decoder(nn.Module):
             logit_mask = decoder_logit_mask(decoder_input_tokens)[..., None].astype(cfg.jnp_dtype)
             bias = relpos(length, length)
         for i in range(cfg.num_decoder_layers):
-            x = DecoderLayer(cfg, cfg.is_sparse_layer(i, decoder=True), self.experts_cls,
-                             name=f"layers_{i}")(x, encoded, self_mask, cross_mask, bias, logit_mask,
-                                                 enable_dropout=enable_dropout, cache_position=position)
+            x = DecoderLayer(
+                cfg, cfg.is_sparse_layer(i, decoder=True), self.experts_cls, name=f"layers_{i}"
+            )(
+                x,
+                encoded,
+                self_mask,
+                cross_mask,
+                bias,
+                logit_mask,
+                enable_dropout=enable_dropout,
+                cache_position=position,
+            )
         x = RmsNorm(cfg, name="decoder_norm")(x)
         x = dropout(x, cfg.dropout_rate, enable_dropout, self) * logit_mask
         if cfg.logits_dense:
-            return DenseKernel(cfg.vocab_size, cfg, kernel_init(cfg.init_scale), dtype=jnp.float32,
-                               name="logits_dense")(x)
+            return DenseKernel(
+                cfg.vocab_size,
+                cfg,
+                kernel_init(cfg.init_scale),
+                dtype=jnp.float32,
+                name="logits_dense",
+            )(x)
         return self.embedder.attend(x) / jnp.sqrt(jnp.float32(x.shape[-1]))
 
 
@@ -220,9 +292,16 @@ class SwitchTransformer(nn.Module):
         """``int32[B, L_enc]`` tokens → encoder outputs ``[B, L_enc, d]`` (zero at padding)."""
         return self.encoder(encoder_input_tokens, enable_dropout=enable_dropout)
 
-    def decode(self, encoded: jax.Array, encoder_input_tokens: jax.Array,
-               decoder_input_tokens: jax.Array, decoder_target_tokens: jax.Array | None = None,
-               *, enable_dropout: bool = False, decode: bool = False) -> jax.Array:
+    def decode(
+        self,
+        encoded: jax.Array,
+        encoder_input_tokens: jax.Array,
+        decoder_input_tokens: jax.Array,
+        decoder_target_tokens: jax.Array | None = None,
+        *,
+        enable_dropout: bool = False,
+        decode: bool = False,
+    ) -> jax.Array:
         """Decoder logits ``float32[B, L_q, V]`` for ``decoder_input_tokens int32[B, L_q]``.
 
         Teacher forcing (``decode=False``): causal self-attention; padding comes
@@ -236,14 +315,31 @@ class SwitchTransformer(nn.Module):
         keys/values of ``encoded`` from the first call, so later calls must pass
         the same encoder outputs. ``decoding.init_cache`` wraps the first call.
         """
-        return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
-                            enable_dropout=enable_dropout, decode=decode)
+        return self.decoder(
+            encoded,
+            encoder_input_tokens,
+            decoder_input_tokens,
+            decoder_target_tokens,
+            enable_dropout=enable_dropout,
+            decode=decode,
+        )
 
-    def __call__(self, encoder_input_tokens: jax.Array, decoder_input_tokens: jax.Array,
-                 decoder_target_tokens: jax.Array | None, *, enable_dropout: bool = False) -> jax.Array:
+    def __call__(
+        self,
+        encoder_input_tokens: jax.Array,
+        decoder_input_tokens: jax.Array,
+        decoder_target_tokens: jax.Array | None,
+        *,
+        enable_dropout: bool = False,
+    ) -> jax.Array:
         encoded = self.encode(encoder_input_tokens, enable_dropout=enable_dropout)
-        return self.decode(encoded, encoder_input_tokens, decoder_input_tokens, decoder_target_tokens,
-                           enable_dropout=enable_dropout)
+        return self.decode(
+            encoded,
+            encoder_input_tokens,
+            decoder_input_tokens,
+            decoder_target_tokens,
+            enable_dropout=enable_dropout,
+        )
 
 
 def param_shapes(config: SwitchConfig, experts_cls: Any = MlpExperts) -> dict:

@@ -1,4 +1,5 @@
-"""Quantization: grids, round-to-nearest, Hessians, GPTQ for one matrix, and vmapped expert groups."""
+"""Quantization: grids, round-to-nearest, Hessians, GPTQ for one matrix, and vmapped expert
+groups."""
 
 from qmoe_jax.quant.gptq import GPTQConfig as GPTQConfig
 from qmoe_jax.quant.gptq import GPTQResult as GPTQResult

@@ -45,11 +45,15 @@ class GridConfig:
     def __post_init__(self):
         if self.kind == "ternary":
             if self.bits is not None:
-                raise ValueError(f"GridConfig(kind='ternary') takes no bits (got bits={self.bits}); "
-                                 "use GridConfig(kind='minmax', bits=...) for a k-bit grid")
+                raise ValueError(
+                    f"GridConfig(kind='ternary') takes no bits (got bits={self.bits}); "
+                    "use GridConfig(kind='minmax', bits=...) for a k-bit grid"
+                )
         elif self.kind == "minmax":
             if self.bits not in MINMAX_BITS:
-                raise ValueError(f"GridConfig(kind='minmax') needs bits in {MINMAX_BITS}, got {self.bits!r}")
+                raise ValueError(
+                    f"GridConfig(kind='minmax') needs bits in {MINMAX_BITS}, got {self.bits!r}"
+                )
         else:
             raise ValueError(f"unknown grid kind {self.kind!r}; use 'ternary' or 'minmax'")
 

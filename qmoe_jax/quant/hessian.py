@@ -34,9 +34,15 @@ def accumulate_hessian(hessian: jax.Array, tokens: jax.Array, mask: jax.Array) -
     Returns:
       float32[cols, cols] = hessian + Σ_{t: mask_t} x_t x_tᵀ.
     """
-    if tokens.ndim != 2 or mask.shape != tokens.shape[:1] or hessian.shape != (tokens.shape[1],) * 2:
-        raise ValueError(f"accumulate_hessian expects hessian [cols, cols], tokens [n, cols], mask [n]; got "
-                         f"{hessian.shape}, {tokens.shape}, {mask.shape}")
+    if (
+        tokens.ndim != 2
+        or mask.shape != tokens.shape[:1]
+        or hessian.shape != (tokens.shape[1],) * 2
+    ):
+        raise ValueError(
+            f"accumulate_hessian expects hessian [cols, cols], tokens [n, cols], mask [n]; got "
+            f"{hessian.shape}, {tokens.shape}, {mask.shape}"
+        )
     kept = jnp.where(mask[:, None], tokens.astype(jnp.float32), 0.0)
     return hessian + jnp.matmul(kept.T, kept, precision=lax.Precision.HIGHEST)
 
@@ -66,7 +72,10 @@ def expert_hessians(tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.
       (hessians float32[E, cols, cols], tokens_per_expert int32[E] = tokens counted).
     """
     if tokens.ndim != 3 or mask.shape != tokens.shape[:2]:
-        raise ValueError(f"expert_hessians expects tokens [E, n, cols] and mask [E, n]; got {tokens.shape}, {mask.shape}")
+        raise ValueError(
+            f"expert_hessians expects tokens [E, n, cols] and mask [E, n]; got {tokens.shape}, "
+            f"{mask.shape}"
+        )
     return jax.vmap(hessian)(tokens, mask), mask.sum(axis=1, dtype=jnp.int32)
 
 
@@ -82,7 +91,10 @@ def token_cap(tokens_per_expert: jax.Array, factor: float = TOKEN_CAP_FACTOR) ->
     """
     tokens_per_expert = jnp.asarray(tokens_per_expert)
     if tokens_per_expert.ndim != 1 or tokens_per_expert.shape[0] == 0:
-        raise ValueError(f"token_cap expects counts of every expert of the layer, int[E]; got shape {tokens_per_expert.shape}")
+        raise ValueError(
+            "token_cap expects counts of every expert of the layer, int[E]; got shape "
+            f"{tokens_per_expert.shape}"
+        )
     mean = tokens_per_expert.astype(jnp.float32).mean()
     return jnp.maximum(jnp.floor(factor * mean), 1).astype(jnp.int32)
 

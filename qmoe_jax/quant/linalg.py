@@ -1,4 +1,5 @@
-"""Cholesky factorization and sums in plain ``lax``, for one matrix or vector (vmap them for a batch).
+"""Cholesky factorization and sums in plain ``lax``, for one matrix or vector (vmap them for a
+batch).
 
 Lingo: A[n, n] symmetric positive definite (SPD); L lower triangular with
 A = L·Lᵀ; L⁻¹ its inverse. Columns are factored in blocks of ``BASE_SIZE``,
@@ -66,7 +67,8 @@ def _matmul(a: jax.Array, b: jax.Array) -> jax.Array:
 
 def _base_factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(L, L⁻¹) of a small SPD matrix, one step per column j: column j of L from its columns < j
-    (left-looking), which completes row j of L, then row j of L⁻¹ from its rows < j (forward substitution)."""
+    (left-looking), which completes row j of L, then row j of L⁻¹ from its rows < j (forward
+    substitution)."""
     size = matrix.shape[-1]
     rows = jnp.arange(size)
     identity = jnp.eye(size, dtype=matrix.dtype)
@@ -74,7 +76,9 @@ def _base_factor(matrix: jax.Array) -> tuple[jax.Array, jax.Array]:
     def step(j, factors):
         lower, inverse = factors  # zero from column j on (lower) and from row j on (inverse)
         lower_row = lax.dynamic_index_in_dim(lower, j, axis=0, keepdims=False)
-        column = lax.dynamic_index_in_dim(matrix, j, axis=1, keepdims=False) - _matmul(lower, lower_row)
+        column = lax.dynamic_index_in_dim(matrix, j, axis=1, keepdims=False) - _matmul(
+            lower, lower_row
+        )
         pivot = jnp.sqrt(jnp.where(column[j] > 0, column[j], jnp.nan))
         reciprocal = 1 / pivot  # see "Batch-invariant" above
         column = jnp.where(rows > j, column * reciprocal, jnp.where(rows == j, pivot, 0.0))
@@ -99,9 +103,13 @@ def native_on_cpu(kernel: str, twin: Callable, *operands, **attributes):
 
 
 def _diagonal_factor(matrix: jax.Array, native: bool) -> tuple[jax.Array, jax.Array]:
-    """(L, L⁻¹) of a diagonal block: with ``native``, the CPU kernel where the program runs on CPU and
-    ``_base_factor`` elsewhere; else ``_base_factor``."""
-    return native_on_cpu("cholesky_base_call", _base_factor, matrix) if native else _base_factor(matrix)
+    """(L, L⁻¹) of a diagonal block: with ``native``, the CPU kernel where the program runs on CPU
+    and ``_base_factor`` elsewhere; else ``_base_factor``."""
+    return (
+        native_on_cpu("cholesky_base_call", _base_factor, matrix)
+        if native
+        else _base_factor(matrix)
+    )
 
 
 def _with_diagonal(block: jax.Array, diagonal: jax.Array | None) -> jax.Array:
@@ -112,32 +120,47 @@ def _with_diagonal(block: jax.Array, diagonal: jax.Array | None) -> jax.Array:
     return block.at[index, index].set(diagonal)
 
 
-def _factor(matrix: jax.Array, from_end: bool, native: bool, diagonal: jax.Array | None = None) -> jax.Array:
-    """L (module docstring), or with ``from_end`` R = J·chol(J·A·J)·J (J reverses the order of rows or columns)
-    without reversing A or the result: the same steps on blocks taken from the last columns back, each index i
-    of the reversed problem being n − 1 − i here, so R is upper triangular and A = R·Rᵀ. Every block's shapes
-    are static. ``diagonal``: A's diagonal, replacing the one ``matrix`` holds (written into each diagonal block
-    as it is read, so that a caller changing the diagonal, GPTQ's damping, copies no n×n matrix)."""
+def _factor(
+    matrix: jax.Array, from_end: bool, native: bool, diagonal: jax.Array | None = None
+) -> jax.Array:
+    """L (module docstring), or with ``from_end`` R = J·chol(J·A·J)·J (J reverses the order of rows
+    or columns)
+    without reversing A or the result: the same steps on blocks taken from the last columns back,
+      each index i
+    of the reversed problem being n − 1 − i here, so R is upper triangular and A = R·Rᵀ. Every
+    block's shapes are static. ``diagonal``: A's diagonal, replacing the one ``matrix`` holds
+    (written into each diagonal block as it is read, so that a caller changing the diagonal, GPTQ's
+    damping, copies no n×n matrix)."""
     size = matrix.shape[-1]
-    flip = (lambda block: block[::-1, ::-1]) if from_end else (lambda block: block)  # only BASE_SIZE blocks
-    if size <= BASE_SIZE:  # one block; not an update of zeros: XLA's simplifier aborted on reversing that
+    flip = (
+        (lambda block: block[::-1, ::-1]) if from_end else (lambda block: block)
+    )  # only BASE_SIZE blocks
+    if (
+        size <= BASE_SIZE
+    ):  # one block; not an update of zeros: XLA's simplifier aborted on reversing that
         return flip(_diagonal_factor(flip(_with_diagonal(matrix, diagonal)), native)[0])
-    # Behind a barrier, the zeros are their own op (a parallel fill, free to run before the first block is
-    # factored); without it XLA folds the first block's update into them as one single-threaded pad of the
-    # whole n×n matrix after that block, about 10 ms at n = 3072 on the critical path.
+    # Behind a barrier, the zeros are their own op (a parallel fill, free to run before the first
+    # block is factored); without it XLA folds the first block's update into them as one
+    # single-threaded pad of the whole n×n matrix after that block, about 10 ms at n = 3072 on the
+    # critical path.
     factor = lax.optimization_barrier(jnp.zeros_like(matrix))
     for done in range(0, size, BASE_SIZE):
         width = min(BASE_SIZE, size - done)
-        if from_end:  # block columns start:stop, done = the columns after them, rest = the rows before them
+        if (
+            from_end
+        ):  # block columns start:stop, done = the columns after them, rest = the rows before them
             start, stop = size - done - width, size - done
             panel = matrix[:stop, start:stop]
             if diagonal is not None:
                 panel = panel.at[start:].set(_with_diagonal(panel[start:], diagonal[start:stop]))
             if done:
                 panel = panel - _matmul(factor[:stop, stop:], factor[start:stop, stop:].T)
-            block, block_inverse = (flip(part) for part in _diagonal_factor(flip(panel[start:]), native))
+            block, block_inverse = (
+                flip(part) for part in _diagonal_factor(flip(panel[start:]), native)
+            )
             rest, solve = 0, panel[:start]
-        else:  # block columns start:stop, done = the columns before them, rest = the rows after them
+        else:
+            # block columns start:stop, done = the columns before them, rest = the rows after them
             start, stop = done, done + width
             panel = matrix[start:, start:stop]
             if diagonal is not None:
@@ -146,44 +169,57 @@ def _factor(matrix: jax.Array, from_end: bool, native: bool, diagonal: jax.Array
                 panel = panel - _matmul(factor[start:, :start], factor[start:stop, :start].T)
             block, block_inverse = _diagonal_factor(panel[:width], native)
             rest, solve = stop, panel[width:]
-        # In-place updates at static offsets (``.at[].set`` would add a bounds check and a select per block).
+        # In-place updates at static offsets (``.at[].set`` would add a bounds check and a select
+        # per block).
         factor = lax.dynamic_update_slice(factor, block, (start, start))
-        if done + width < size:  # rows ``rest`` on: the rows before the block (from_end) or after it
-            factor = lax.dynamic_update_slice(factor, _matmul(solve, block_inverse.T), (rest, start))
+        if (
+            done + width < size
+        ):  # rows ``rest`` on: the rows before the block (from_end) or after it
+            factor = lax.dynamic_update_slice(
+                factor, _matmul(solve, block_inverse.T), (rest, start)
+            )
     return factor
 
 
-def cholesky(matrix: jax.Array, native: bool = True, diagonal: jax.Array | None = None) -> jax.Array:
+def cholesky(
+    matrix: jax.Array, native: bool = True, diagonal: jax.Array | None = None
+) -> jax.Array:
     """Lower Cholesky factor L of an SPD matrix A[n, n] (A = L·Lᵀ), reading only A's lower triangle;
-    NaNs from the first failing column on where A is not positive definite. ``native``: the diagonal blocks in
-    the CPU kernel where the program runs on CPU (module docstring). ``diagonal`` (float[n], optional): A's
-    diagonal, in place of the one ``matrix`` holds; the same result as factoring the matrix with it written in,
-    without a copy of the matrix."""
+    NaNs from the first failing column on where A is not positive definite. ``native``: the diagonal
+    blocks in the CPU kernel where the program runs on CPU (module docstring). ``diagonal``
+    (float[n], optional): A's diagonal, in place of the one ``matrix`` holds; the same result as
+    factoring the matrix with it written in, without a copy of the matrix."""
     _check_square(matrix, "cholesky", diagonal)
     return _factor(matrix, from_end=False, native=native, diagonal=diagonal)
 
 
-def reversed_cholesky(matrix: jax.Array, native: bool = True, diagonal: jax.Array | None = None) -> jax.Array:
-    """Upper triangular R with A = R·Rᵀ for an SPD matrix A[n, n]: the Cholesky factor of A with the order of
-    rows and columns reversed (``cholesky(A[::-1, ::-1])[::-1, ::-1]`` up to float rounding), reading only A's
-    upper triangle. It runs from the last column to the first, so where A is not positive definite, the first
-    failing column met that way and every column before it are NaN on and above the diagonal. ``native`` and
-    ``diagonal`` as in ``cholesky``."""
+def reversed_cholesky(
+    matrix: jax.Array, native: bool = True, diagonal: jax.Array | None = None
+) -> jax.Array:
+    """Upper triangular R with A = R·Rᵀ for an SPD matrix A[n, n]: the Cholesky factor of A with the
+    order of rows and columns reversed (``cholesky(A[::-1, ::-1])[::-1, ::-1]`` up to float
+    rounding), reading only A's upper triangle. It runs from the last column to the first, so where
+    A is not positive definite, the first failing column met that way and every column before it are
+    NaN on and above the diagonal. ``native`` and ``diagonal`` as in ``cholesky``."""
     _check_square(matrix, "reversed_cholesky", diagonal)
     return _factor(matrix, from_end=True, native=native, diagonal=diagonal)
 
 
 def _check_square(matrix: jax.Array, name: str, diagonal: jax.Array | None = None) -> None:
     if matrix.ndim != 2 or matrix.shape[0] != matrix.shape[1]:
-        raise ValueError(f"{name} expects one square matrix [n, n] (vmap it for a batch); got {matrix.shape}")
+        raise ValueError(
+            f"{name} expects one square matrix [n, n] (vmap it for a batch); got {matrix.shape}"
+        )
     if diagonal is not None and jnp.shape(diagonal) != matrix.shape[:1]:
-        raise ValueError(f"{name}: diagonal must have shape {matrix.shape[:1]} (one entry per row of the "
-                         f"{matrix.shape} matrix); got {jnp.shape(diagonal)}")
+        raise ValueError(
+            f"{name}: diagonal must have shape {matrix.shape[:1]} (one entry per row of the "
+            f"{matrix.shape} matrix); got {jnp.shape(diagonal)}"
+        )
 
 
 def pairwise_sum(values: jax.Array) -> jax.Array:
-    """Sum over the last axis in a fixed order (halves added elementwise, zero-padded to even lengths),
-    so the result is batch-invariant, unlike ``jnp.sum``."""
+    """Sum over the last axis in a fixed order (halves added elementwise, zero-padded to even
+    lengths), so the result is batch-invariant, unlike ``jnp.sum``."""
     while values.shape[-1] > 1:
         if values.shape[-1] % 2:
             values = jnp.concatenate([values, jnp.zeros_like(values[..., :1])], axis=-1)

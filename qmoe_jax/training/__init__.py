@@ -1,4 +1,5 @@
-"""Fine-tuning compressed (and T5X) Switch models: frozen compressed experts, trainable dense parts, expert LoRA."""
+"""Fine-tuning compressed (and T5X) Switch models: frozen compressed experts, trainable dense parts,
+expert LoRA."""
 
 from qmoe_jax.training.finetuning import FinetuneOptions as FinetuneOptions
 from qmoe_jax.training.finetuning import finetune as finetune

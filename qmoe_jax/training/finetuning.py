@@ -1,4 +1,5 @@
-"""Fine-tuning a compressed (or T5X) Switch model: options, the jitted step, the loop, resume and save_finetuned.
+"""Fine-tuning a compressed (or T5X) Switch model: options, the jitted step, the loop, resume and
+save_finetuned.
 
 Lingo: the *trainable* tree goes to optax (float32 master copies); the *frozen*
 tree holds everything else, the ``CompressedExperts`` stacks (integer codes,
@@ -30,24 +31,30 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm import tqdm
 
-from qmoe_jax.data import bundled
 from qmoe_jax.checkpoints import open_t5x_checkpoint
-from qmoe_jax.checkpoints.format_v1 import MANIFEST
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
+from qmoe_jax.checkpoints.format_v1 import MANIFEST
 from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.codec import CompressedExperts
-from qmoe_jax.models.configs import resolve_config
-from qmoe_jax.data import Tokenizer
-from qmoe_jax.training import save_finetuned
-from qmoe_jax.training.metrics import plot_metrics
-from qmoe_jax.training.run_directory import FINETUNE_OUTPUT, MODEL, RunDirectory
-from qmoe_jax.training.tasks import Task, load_task
-from qmoe_jax.training.trainable import EXPERT_KERNEL, flatten, merge, select_trainable, split, unflatten
-from qmoe_jax.inference.strategies import DecodingConfig, generate
+from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference.evaluation import model_inputs, padded_batches, token_cross_entropy
 from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
+from qmoe_jax.inference.strategies import DecodingConfig, generate
+from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.models.lora import LORA, init_adapter
+from qmoe_jax.training import save_finetuned
+from qmoe_jax.training.metrics import plot_metrics
 from qmoe_jax.training.pretrain import moe_aux_losses
+from qmoe_jax.training.run_directory import FINETUNE_OUTPUT, MODEL, RunDirectory
+from qmoe_jax.training.tasks import Task, load_task
+from qmoe_jax.training.trainable import (
+    EXPERT_KERNEL,
+    flatten,
+    merge,
+    select_trainable,
+    split,
+    unflatten,
+)
 
 ACTIVATIONS = ("float32", "bfloat16")
 
@@ -59,19 +66,23 @@ def _not_in_settings(default=None):
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneOptions:
-    """Everything a fine-tuning run needs; the run manifest records every field not marked otherwise.
+    """Everything a fine-tuning run needs; the run manifest records every field not marked
+    otherwise.
 
     Attributes:
       checkpoint: a compressed directory or a T5X checkpoint (None: the bundled T5X model).
-      config: model config name, or JSON file of ``SwitchConfig`` fields, of a T5X checkpoint (None: inferred).
+      config: model config name, or JSON file of ``SwitchConfig`` fields, of a T5X checkpoint (None:
+        inferred).
       task: see ``finetuning.tasks``.
-      experts: a compressed source's frozen experts: "compressed" (fused kernels) or "dense" (dequantized to
-        float32: the uncompressed control of the cost benchmark).
+      experts: a compressed source's frozen experts: "compressed" (fused kernels) or "dense"
+        (dequantized to float32: the uncompressed control of the cost benchmark).
       output_dir: the run directory (``finetuning.state``).
-      trainable: regular expressions selecting trainable parameter paths (None: attention, layer norms,
-        routers, embeddings, relative position biases and dense MLPs); expert adapters always train.
+      trainable: regular expressions selecting trainable parameter paths (None: attention, layer
+        norms, routers, embeddings, relative position biases and dense MLPs); expert adapters always
+        train.
       expert_lora_rank: r of the expert LoRA adapters (0: none; compressed checkpoints only).
-      steps, batch_size, accumulate: optimizer steps; examples per micro-batch; micro-batches per step.
+      steps, batch_size, accumulate: optimizer steps; examples per micro-batch; micro-batches per
+        step.
       warmup_steps: of the learning-rate schedule (None: a tenth of ``steps``).
       dropout_rate: None keeps the model config's.
       activations: "float32" or "bfloat16" (parameters and optimizer state stay float32).
@@ -103,19 +114,33 @@ class FinetuneOptions:
     checkpoint_every: int = _not_in_settings(100)
 
     def __post_init__(self):
-        for name in ("steps", "batch_size", "accumulate", "eval_examples", "eval_every", "checkpoint_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "accumulate",
+            "eval_examples",
+            "eval_every",
+            "checkpoint_every",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if self.expert_lora_rank < 0:
-            raise ValueError(f"--expert_lora_rank must be 0 (off) or positive, got {self.expert_lora_rank}")
+            raise ValueError(
+                f"--expert_lora_rank must be 0 (off) or positive, got {self.expert_lora_rank}"
+            )
         if self.experts not in ("compressed", "dense"):
             raise ValueError(f"--experts must be compressed or dense, got {self.experts!r}")
         if self.activations not in ACTIVATIONS:
-            raise ValueError(f"--activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}")
+            raise ValueError(
+                f"--activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
+            )
         if self.dropout_rate is not None and not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"--dropout_rate must be in [0, 1), got {self.dropout_rate}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
-            raise ValueError(f"--warmup_steps must be between 0 and --steps ({self.steps}), got {self.warmup_steps}")
+            raise ValueError(
+                f"--warmup_steps must be between 0 and --steps ({self.steps}), got "
+                f"{self.warmup_steps}"
+            )
         if self.learning_rate <= 0 or self.clip_norm <= 0:
             raise ValueError("--learning_rate and --clip_norm must be positive")
 
@@ -124,53 +149,85 @@ class FinetuneOptions:
         return self.steps // 10 if self.warmup_steps is None else self.warmup_steps
 
     def settings(self) -> dict:
-        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                if field.metadata.get("settings", True)}
+        return {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.metadata.get("settings", True)
+        }
 
 
 def learning_rate_schedule(options: FinetuneOptions) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(0.0, options.learning_rate, options.warmup, options.steps,
-                                              options.learning_rate * options.final_learning_rate_fraction)
+    return optax.warmup_cosine_decay_schedule(
+        0.0,
+        options.learning_rate,
+        options.warmup,
+        options.steps,
+        options.learning_rate * options.final_learning_rate_fraction,
+    )
 
 
 def make_optimizer(options: FinetuneOptions) -> optax.GradientTransformation:
-    return optax.chain(optax.clip_by_global_norm(options.clip_norm),
-                       optax.adamw(learning_rate_schedule(options), b1=0.9, b2=0.98,
-                                   weight_decay=options.weight_decay))
+    return optax.chain(
+        optax.clip_by_global_norm(options.clip_norm),
+        optax.adamw(
+            learning_rate_schedule(options), b1=0.9, b2=0.98, weight_decay=options.weight_decay
+        ),
+    )
 
 
 def _scores(logits, batch):
     """(loss sum, weight sum, correct-token sum) of a batch."""
-    loss_sum, weight_sum = token_cross_entropy(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"])
-    correct = (jnp.argmax(logits, -1) == batch["decoder_target_tokens"]) * batch["decoder_loss_weights"]
+    loss_sum, weight_sum = token_cross_entropy(
+        logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+    )
+    correct = (jnp.argmax(logits, -1) == batch["decoder_target_tokens"]) * batch[
+        "decoder_loss_weights"
+    ]
     return loss_sum, weight_sum, correct.sum()
 
 
 def make_train_step(module, optimizer: optax.GradientTransformation, accumulate: int) -> Callable:
-    """A jitted (trainable, opt_state, frozen, batches [accumulate, B, ...], rng) -> (trainable, opt_state,
-    metrics); the gradient is the mean over the micro-batches of their token-mean losses' gradients."""
+    """A jitted (trainable, opt_state, frozen, batches [accumulate, B, ...], rng) -> (trainable,
+    opt_state, metrics); the gradient is the mean over the micro-batches of their token-mean losses'
+    gradients."""
     config = module.config
 
     def loss_fn(trainable, frozen, batch, rng):
-        logits, state = module.apply({"params": merge(trainable, frozen)}, *model_inputs(batch), enable_dropout=True,
-                                     rngs={"dropout": rng}, mutable=["intermediates"])
+        logits, state = module.apply(
+            {"params": merge(trainable, frozen)},
+            *model_inputs(batch),
+            enable_dropout=True,
+            rngs={"dropout": rng},
+            mutable=["intermediates"],
+        )
         loss_sum, weight_sum, correct = _scores(logits, batch)
         cross_entropy = loss_sum / jnp.maximum(weight_sum, 1.0)
         load_balancing, router_z = moe_aux_losses(state["intermediates"])
-        total = cross_entropy + config.aux_loss_factor * load_balancing + config.router_z_loss_factor * router_z
-        return total, {"train_loss": cross_entropy, "train_token_accuracy": correct / jnp.maximum(weight_sum, 1.0)}
+        total = (
+            cross_entropy
+            + config.aux_loss_factor * load_balancing
+            + config.router_z_loss_factor * router_z
+        )
+        return total, {
+            "train_loss": cross_entropy,
+            "train_token_accuracy": correct / jnp.maximum(weight_sum, 1.0),
+        }
 
     gradient = jax.value_and_grad(loss_fn, has_aux=True)
 
-    @functools.partial(jax.jit, donate_argnums=(0, 1))  # the old parameters and moments are not kept
+    @functools.partial(
+        jax.jit, donate_argnums=(0, 1)
+    )  # the old parameters and moments are not kept
     def step(trainable, opt_state, frozen, batches, rng):
         def micro(carry, inputs):
             batch, index = inputs
             (_, metrics), grads = gradient(trainable, frozen, batch, jax.random.fold_in(rng, index))
             return jax.tree.map(jnp.add, carry, (grads, metrics)), None
 
-        zeros = (jax.tree.map(jnp.zeros_like, trainable),
-                 {"train_loss": jnp.float32(0), "train_token_accuracy": jnp.float32(0)})
+        zeros = (
+            jax.tree.map(jnp.zeros_like, trainable),
+            {"train_loss": jnp.float32(0), "train_token_accuracy": jnp.float32(0)},
+        )
         (grads, metrics), _ = jax.lax.scan(micro, zeros, (batches, jnp.arange(accumulate)))
         grads, metrics = jax.tree.map(lambda x: x / accumulate, (grads, metrics))
         updates, opt_state = optimizer.update(grads, opt_state, trainable)
@@ -183,16 +240,19 @@ def make_train_step(module, optimizer: optax.GradientTransformation, accumulate:
 def make_eval_step(module) -> Callable:
     @jax.jit
     def step(trainable, frozen, batch):
-        logits = module.apply({"params": merge(trainable, frozen)}, *model_inputs(batch), enable_dropout=False)
+        logits = module.apply(
+            {"params": merge(trainable, frozen)}, *model_inputs(batch), enable_dropout=False
+        )
         return _scores(logits, batch)
 
     return step
 
 
-def evaluate(module, eval_step, trainable, frozen, batches: list[dict], generative: bool,
-             placed: Callable) -> dict[str, float]:
-    """Validation loss and token accuracy (teacher forced) and, for ``generative`` tasks, exact match of greedy
-    generations with the targets."""
+def evaluate(
+    module, eval_step, trainable, frozen, batches: list[dict], generative: bool, placed: Callable
+) -> dict[str, float]:
+    """Validation loss and token accuracy (teacher forced) and, for ``generative`` tasks, exact
+    match of greedy generations with the targets."""
     totals = np.zeros(3)
     matches = examples = 0
     params = merge(trainable, frozen) if generative else None
@@ -200,29 +260,40 @@ def evaluate(module, eval_step, trainable, frozen, batches: list[dict], generati
         totals += [float(x) for x in eval_step(trainable, frozen, placed(batch))]
         if generative:
             targets = batch["decoder_target_tokens"]
-            decoded = generate(module, params, placed(batch)["encoder_input_tokens"],
-                               DecodingConfig(method="greedy", max_decode_length=targets.shape[1]))
+            decoded = generate(
+                module,
+                params,
+                placed(batch)["encoder_input_tokens"],
+                DecodingConfig(method="greedy", max_decode_length=targets.shape[1]),
+            )
             real = batch["decoder_loss_weights"].sum(1) > 0
             matches += int(np.sum(np.all(np.asarray(decoded.tokens) == targets, axis=1) & real))
             examples += int(real.sum())
     loss_sum, weight_sum, correct = totals
-    record = {"validation_loss": loss_sum / max(weight_sum, 1.0),
-              "validation_token_accuracy": correct / max(weight_sum, 1.0)}
+    record = {
+        "validation_loss": loss_sum / max(weight_sum, 1.0),
+        "validation_token_accuracy": correct / max(weight_sum, 1.0),
+    }
     if generative:
         record["validation_exact_match"] = matches / max(examples, 1)
     return record
 
 
 def add_expert_adapters(params: dict, rank: int, rng: jax.Array) -> dict:
-    """``params`` with a fresh adapter (``models/lora.py``) beside every compressed expert kernel."""
+    """``params`` with a fresh adapter (``models/lora.py``) beside every compressed expert
+    kernel."""
     flat = flatten(params)
     stacks = {path: leaf for path, leaf in flat.items() if isinstance(leaf, CompressedExperts)}
     if not stacks:
-        raise ValueError("--expert_lora_rank needs compressed experts on the fused kernels: pass a directory "
-                         "written by `python -m qmoe_jax.compress`, with --experts compressed")
+        raise ValueError(
+            "--expert_lora_rank needs compressed experts on the fused kernels: pass a directory "
+            "written by `python -m qmoe_jax.compress`, with --experts compressed"
+        )
     for index, (path, stack) in enumerate(sorted(stacks.items())):
         expert, _, kernel = path.rpartition("/")
-        adapter = init_adapter(jax.random.fold_in(rng, index), stack.num_experts, stack.rows, stack.cols, rank)
+        adapter = init_adapter(
+            jax.random.fold_in(rng, index), stack.num_experts, stack.rows, stack.cols, rank
+        )
         for name, value in adapter.items():
             flat[f"{expert}/{LORA}/{kernel}/{name}"] = value
     return unflatten(flat)
@@ -239,69 +310,113 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def finetune(options: FinetuneOptions, log: Callable[[str], None] = print, progress: bool = True) -> dict:
+def finetune(
+    options: FinetuneOptions, log: Callable[[str], None] = print, progress: bool = True
+) -> dict:
     """Fine-tunes (or resumes fine-tuning) and writes the model; returns the run's summary."""
     path = options.checkpoint or bundled.checkpoint_path()
     tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
     task = load_task(options.task, tokenizer, options.inputs_length, options.eval_examples)
     devices = jax.device_count()
     if options.batch_size % devices:
-        raise ValueError(f"--batch_size {options.batch_size} must be divisible by the {devices} devices")
+        raise ValueError(
+            f"--batch_size {options.batch_size} must be divisible by the {devices} devices"
+        )
     compressed = is_compressed_checkpoint(path)
-    opened = open_model(path, resolve_config(options.config) if options.config else None,
-                        options.experts if compressed else None, dtype=jnp.float32)
+    opened = open_model(
+        path,
+        resolve_config(options.config) if options.config else None,
+        options.experts if compressed else None,
+        dtype=jnp.float32,
+    )
     if tokenizer.vocab_size > opened.config.vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model only "
-                         f"{opened.config.vocab_size}; pass the model's own tokenizer with --tokenizer")
-    config = dataclasses.replace(opened.config, dtype=options.activations, **(
-        {} if options.dropout_rate is None else {"dropout_rate": options.dropout_rate}))
+        raise ValueError(
+            f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model "
+            "only "
+            f"{opened.config.vocab_size}; pass the model's own tokenizer with --tokenizer"
+        )
+    config = dataclasses.replace(
+        opened.config,
+        dtype=options.activations,
+        **({} if options.dropout_rate is None else {"dropout_rate": options.dropout_rate}),
+    )
     module = opened.module.clone(config=config)
     params = opened.params
     if options.expert_lora_rank:
-        params = add_expert_adapters(params, options.expert_lora_rank, jax.random.PRNGKey(options.seed + 1))
+        params = add_expert_adapters(
+            params, options.expert_lora_rank, jax.random.PRNGKey(options.seed + 1)
+        )
     trainable_paths = select_trainable(params, options.trainable)
     if compressed and any(EXPERT_KERNEL.search(p) for p in trainable_paths):
-        raise ValueError("the expert kernels of a compressed checkpoint stay frozen (its output keeps their codes); "
-                         "train them through --expert_lora_rank, or leave them out of --trainable")
+        raise ValueError(
+            "the expert kernels of a compressed checkpoint stay frozen (its output keeps their "
+            "codes); "
+            "train them through --expert_lora_rank, or leave them out of --trainable"
+        )
     trainable, frozen = split(params, trainable_paths)
     del params
-    opened.params = None  # the loaded tree is now the two parts; keep no second reference to its arrays
+    opened.params = (
+        None  # the loaded tree is now the two parts; keep no second reference to its arrays
+    )
 
     mesh = opened.mesh or jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",))
     replicated = NamedSharding(mesh, PartitionSpec())
     by_batch = NamedSharding(mesh, PartitionSpec(None, "expert"))
-    if opened.mesh is None:  # else the loader placed them: expert stacks sharded, the rest replicated
+    if (
+        opened.mesh is None
+    ):  # else the loader placed them: expert stacks sharded, the rest replicated
         frozen = jax.device_put(frozen, replicated)
     trainable = jax.device_put(trainable, replicated)
     optimizer = make_optimizer(options)
     opt_state = optimizer.init(trainable)
     record = {"settings": options.settings(), "source": {"path": path, **_source_record(path)}}
     counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable))
-    log(f"{config.name} from {path} ({opened.kind}, {opened.experts} experts); task {task.name}: "
+    log(
+        f"{config.name} from {path} ({opened.kind}, {opened.experts} experts); task {task.name}: "
         f"{len(task.chunks or task.examples)} training {'chunks' if task.chunks else 'examples'}, "
         f"{len(task.validation)} validation examples; {len(trainable_paths)} trainable arrays "
-        f"({counted:,} parameters); {devices} device(s)")
+        f"({counted:,} parameters); {devices} device(s)"
+    )
 
     with claimed(options.output_dir, FINETUNE_OUTPUT) as directory:
         run = RunDirectory(directory, record)
         try:
             if run.complete:
-                log(f"{directory} is already complete: its model is {run.path(run.manifest['model'])}")
+                log(
+                    f"{directory} is already complete: its model is "
+                    f"{run.path(run.manifest['model'])}"
+                )
                 return run.manifest["summary"]
             start = run.latest_step() or 0
             if start:
-                abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                        {"trainable": trainable, "opt_state": opt_state})
+                abstract = jax.tree.map(
+                    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                    {"trainable": trainable, "opt_state": opt_state},
+                )
                 restored = run.restore(start, abstract)
                 trainable, opt_state = restored["trainable"], restored["opt_state"]
                 log(f"resuming at step {start} of {options.steps}")
             records = run.metrics_records(start)
-            summary = _train(options, module, task, run, trainable, opt_state, frozen, optimizer, start, records,
-                             lambda batch: jax.device_put(batch, by_batch),
-                             lambda batch: jax.device_put(batch, NamedSharding(mesh, PartitionSpec("expert"))),
-                             progress, log)
+            summary = _train(
+                options,
+                module,
+                task,
+                run,
+                trainable,
+                opt_state,
+                frozen,
+                optimizer,
+                start,
+                records,
+                lambda batch: jax.device_put(batch, by_batch),
+                lambda batch: jax.device_put(batch, NamedSharding(mesh, PartitionSpec("expert"))),
+                progress,
+                log,
+            )
             summary["trainable_parameters"] = counted
-            summary["model"] = _export(options, opened.kind, path, run, summary.pop("params"), record["settings"])
+            summary["model"] = _export(
+                options, opened.kind, path, run, summary.pop("params"), record["settings"]
+            )
             run.finish(os.path.relpath(summary["model"], directory), summary)
         finally:
             run.close()
@@ -309,36 +424,68 @@ def finetune(options: FinetuneOptions, log: Callable[[str], None] = print, progr
     return summary
 
 
-def _train(options: FinetuneOptions, module, task: Task, run: RunDirectory, trainable, opt_state, frozen,
-           optimizer, start: int, records: list[dict], placed_steps: Callable, placed: Callable, progress: bool,
-           log: Callable[[str], None]) -> dict:
+def _train(
+    options: FinetuneOptions,
+    module,
+    task: Task,
+    run: RunDirectory,
+    trainable,
+    opt_state,
+    frozen,
+    optimizer,
+    start: int,
+    records: list[dict],
+    placed_steps: Callable,
+    placed: Callable,
+    progress: bool,
+    log: Callable[[str], None],
+) -> dict:
     train_step = make_train_step(module, optimizer, options.accumulate)
     eval_step = make_eval_step(module)
     schedule = learning_rate_schedule(options)
-    eval_batches = padded_batches(task.validation, options.batch_size, task.encoder_length, task.decoder_length)
+    eval_batches = padded_batches(
+        task.validation, options.batch_size, task.encoder_length, task.decoder_length
+    )
     batches = task.batches(options.batch_size, options.seed, start * options.accumulate)
     rng = jax.random.PRNGKey(options.seed)
 
     def scored(step: int, running: dict, seconds: float) -> None:
-        record = {"step": step, **{k: v / max(running.get("steps", 1), 1) for k, v in running.items() if k != "steps"},
-                  "learning_rate": float(schedule(step)), "seconds": round(seconds, 3)}
-        record.update(evaluate(module, eval_step, trainable, frozen, eval_batches, task.generative, placed))
+        record = {
+            "step": step,
+            **{k: v / max(running.get("steps", 1), 1) for k, v in running.items() if k != "steps"},
+            "learning_rate": float(schedule(step)),
+            "seconds": round(seconds, 3),
+        }
+        record.update(
+            evaluate(module, eval_step, trainable, frozen, eval_batches, task.generative, placed)
+        )
         run.append_metrics(record)
         records.append(record)
-        plot_metrics(records, run.path("metrics.png"), f"{options.task}: {options.checkpoint or 'bundled model'}")
-        log(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        plot_metrics(
+            records,
+            run.path("metrics.png"),
+            f"{options.task}: {options.checkpoint or 'bundled model'}",
+        )
+        log(
+            " ".join(
+                f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()
+            )
+        )
 
     if start == 0 and not records:
         scored(0, {}, 0.0)
     running: dict[str, float] = {}
     step_seconds = []
-    bar = tqdm(total=options.steps, initial=start, desc="fine-tune", unit="step", disable=not progress)
+    bar = tqdm(
+        total=options.steps, initial=start, desc="fine-tune", unit="step", disable=not progress
+    )
     for step in range(start, options.steps):
         micro = [next(batches) for _ in range(options.accumulate)]
         stacked = {key: np.stack([m[key] for m in micro]) for key in micro[0]}
         started = time.perf_counter()
-        trainable, opt_state, metrics = train_step(trainable, opt_state, frozen, placed_steps(stacked),
-                                                   jax.random.fold_in(rng, step))
+        trainable, opt_state, metrics = train_step(
+            trainable, opt_state, frozen, placed_steps(stacked), jax.random.fold_in(rng, step)
+        )
         metrics = {k: float(v) for k, v in metrics.items()}
         step_seconds.append(time.perf_counter() - started)
         for key, value in metrics.items():
@@ -355,11 +502,23 @@ def _train(options: FinetuneOptions, module, task: Task, run: RunDirectory, trai
     bar.close()
     final = dict(records[-1]) if records else {}
     timed = step_seconds[1:] or step_seconds  # the first step compiles
-    return {"final": final, "steps": options.steps, "params": merge(trainable, frozen),
-            "step_seconds": float(np.median(timed)) if timed else None, "peak_rss_mib": round(_peak_rss_mib(), 1)}
+    return {
+        "final": final,
+        "steps": options.steps,
+        "params": merge(trainable, frozen),
+        "step_seconds": float(np.median(timed)) if timed else None,
+        "peak_rss_mib": round(_peak_rss_mib(), 1),
+    }
 
 
-def _export(options: FinetuneOptions, kind: str, source: str, run: RunDirectory, params: dict, settings: dict) -> str:
+def _export(
+    options: FinetuneOptions,
+    kind: str,
+    source: str,
+    run: RunDirectory,
+    params: dict,
+    settings: dict,
+) -> str:
     target = run.path(MODEL)
     if kind == "compressed":
         save_finetuned.write_compressed(source, target, params, settings, options.expert_lora_rank)

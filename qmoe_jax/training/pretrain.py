@@ -23,7 +23,12 @@ import optax
 
 from qmoe_jax.data.batches import batch_examples
 from qmoe_jax.data.span_corruption import span_corrupt
-from qmoe_jax.inference.evaluation import evaluate_batches, make_eval_step, model_inputs, token_cross_entropy
+from qmoe_jax.inference.evaluation import (
+    evaluate_batches,
+    make_eval_step,
+    model_inputs,
+    token_cross_entropy,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +60,23 @@ def learning_rate_schedule(config: TrainConfig) -> optax.Schedule:
 def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
     return optax.chain(
         optax.clip_by_global_norm(config.clip_norm),
-        optax.adamw(learning_rate_schedule(config), b1=0.9, b2=0.98, weight_decay=config.weight_decay),
+        optax.adamw(
+            learning_rate_schedule(config), b1=0.9, b2=0.98, weight_decay=config.weight_decay
+        ),
     )
 
 
 def training_batches(
-    chunks: list[np.ndarray], first_sentinel: int, batch_size: int, encoder_length: int,
-    decoder_length: int, seed: int, start_step: int = 0,
+    chunks: list[np.ndarray],
+    first_sentinel: int,
+    batch_size: int,
+    encoder_length: int,
+    decoder_length: int,
+    seed: int,
+    start_step: int = 0,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Endless span-corrupted batches over ``chunks``; step ``k`` is the same whatever ``start_step``."""
+    """Endless span-corrupted batches over ``chunks``; step ``k`` is the same whatever
+    ``start_step``."""
     per_epoch = len(chunks) // batch_size
     if per_epoch == 0:
         raise ValueError(f"{len(chunks)} training chunks cannot fill one batch of {batch_size}")
@@ -80,7 +93,9 @@ def training_batches(
         step += 1
 
 
-def make_train_step(model, optimizer: optax.GradientTransformation, config: TrainConfig, aux_losses: Callable):
+def make_train_step(
+    model, optimizer: optax.GradientTransformation, config: TrainConfig, aux_losses: Callable
+):
     """A jitted step (params, opt_state, batch, rng) -> (params, opt_state, metrics).
 
     ``aux_losses(intermediates) -> (load_balancing, router_z)`` reads the MoE
@@ -89,20 +104,33 @@ def make_train_step(model, optimizer: optax.GradientTransformation, config: Trai
 
     def loss_fn(params, batch, rng):
         logits, state = model.apply(
-            {"params": params}, *model_inputs(batch), enable_dropout=True,
-            rngs={"dropout": rng}, mutable=["intermediates"],
+            {"params": params},
+            *model_inputs(batch),
+            enable_dropout=True,
+            rngs={"dropout": rng},
+            mutable=["intermediates"],
         )
-        loss_sum, weight_sum = token_cross_entropy(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"])
+        loss_sum, weight_sum = token_cross_entropy(
+            logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+        )
         cross_entropy = loss_sum / jnp.maximum(weight_sum, 1.0)
         load_balancing, router_z = aux_losses(state.get("intermediates", {}))
-        total = cross_entropy + config.aux_loss_factor * load_balancing + config.router_z_loss_factor * router_z
-        return total, dict(cross_entropy=cross_entropy, load_balancing=load_balancing, router_z=router_z)
+        total = (
+            cross_entropy
+            + config.aux_loss_factor * load_balancing
+            + config.router_z_loss_factor * router_z
+        )
+        return total, dict(
+            cross_entropy=cross_entropy, load_balancing=load_balancing, router_z=router_z
+        )
 
     @jax.jit
     def step(params, opt_state, batch, rng):
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch, rng)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads)))
+        metrics["grad_norm"] = jnp.sqrt(
+            sum(jnp.sum(jnp.square(g)) for g in jax.tree_util.tree_leaves(grads))
+        )
         return optax.apply_updates(params, updates), opt_state, metrics
 
     return step
@@ -122,18 +150,29 @@ def save_snapshot(path: str, step: int, params, opt_state, history: list[dict]) 
 
 def load_snapshot(path: str, params, opt_state) -> tuple[int, dict, dict, list[dict]]:
     with open(path, "rb") as f:
-        restored = flax.serialization.from_bytes({"step": 0, "params": params, "opt_state": opt_state}, f.read())
+        restored = flax.serialization.from_bytes(
+            {"step": 0, "params": params, "opt_state": opt_state}, f.read()
+        )
     with open(path + ".history.json") as f:
         history = json.load(f)
     return int(restored["step"]), restored["params"], restored["opt_state"], history
 
 
 def train(
-    model, params, chunks: list[np.ndarray], eval_batches: list[dict], first_sentinel: int,
-    encoder_length: int, decoder_length: int, config: TrainConfig, aux_losses: Callable,
-    snapshot_path: str, log: Callable[[str], None] = print,
+    model,
+    params,
+    chunks: list[np.ndarray],
+    eval_batches: list[dict],
+    first_sentinel: int,
+    encoder_length: int,
+    decoder_length: int,
+    config: TrainConfig,
+    aux_losses: Callable,
+    snapshot_path: str,
+    log: Callable[[str], None] = print,
 ) -> tuple[dict, list[dict]]:
-    """Trains (resuming from ``snapshot_path`` if present); returns final params and the eval history."""
+    """Trains (resuming from ``snapshot_path`` if present); returns final params and the eval
+    history."""
     optimizer = make_optimizer(config)
     opt_state = optimizer.init(params)
     start, history = 0, []
@@ -143,14 +182,24 @@ def train(
     train_step = make_train_step(model, optimizer, config, aux_losses)
     eval_step = make_eval_step(model)
     schedule = learning_rate_schedule(config)
-    batches = training_batches(chunks, first_sentinel, config.batch_size, encoder_length, decoder_length, config.seed, start)
+    batches = training_batches(
+        chunks,
+        first_sentinel,
+        config.batch_size,
+        encoder_length,
+        decoder_length,
+        config.seed,
+        start,
+    )
     base_rng = jax.random.PRNGKey(config.seed)
     started = time.time()
     running: dict[str, float] = {}
     running_steps = 0
     for step in range(start, config.steps):
         batch = next(batches)
-        params, opt_state, metrics = train_step(params, opt_state, batch, jax.random.fold_in(base_rng, step))
+        params, opt_state, metrics = train_step(
+            params, opt_state, batch, jax.random.fold_in(base_rng, step)
+        )
         for name, value in metrics.items():
             running[name] = running.get(name, 0.0) + float(value)
         running_steps += 1
@@ -158,8 +207,12 @@ def train(
         if done % config.eval_every == 0 or done == config.steps:
             validation = evaluate_batches(eval_step, params, eval_batches)
             record = {name: value / running_steps for name, value in running.items()}
-            record.update(step=done, validation_loss=validation, learning_rate=float(schedule(done)),
-                          seconds=time.time() - started)
+            record.update(
+                step=done,
+                validation_loss=validation,
+                learning_rate=float(schedule(done)),
+                seconds=time.time() - started,
+            )
             history.append(record)
             running, running_steps = {}, 0
             log(json.dumps(record))

@@ -1,11 +1,15 @@
-"""The fine-tuning run's directory: run manifest, Orbax training checkpoints, metrics, the fine-tuned model.
+"""The fine-tuning run's directory: run manifest, Orbax training checkpoints, metrics, the
+fine-tuned model.
 
 Layout of ``--output_dir`` (docs/format.md §11)::
 
-    manifest.json      {"format": "qmoe_jax.finetune", "format_version": 1, "settings", "source", "complete", "model"}
-    train_state/<step>/  Orbax checkpoints of the trainable parameters and the optimizer state (the last two kept)
+    manifest.json      {"format": "qmoe_jax.finetune", "format_version": 1, "settings", "source",
+                        "complete", "model"}
+    train_state/<step>/  Orbax checkpoints of the trainable parameters and the optimizer state
+                        (the last two kept)
     metrics.jsonl, metrics.png
-    model/             the fine-tuned checkpoint (compressed directory, or T5X model directory), written last
+    model/             the fine-tuned checkpoint (compressed directory, or T5X model directory),
+                       written last
 
 A checkpoint step is written by Orbax into a temporary directory and renamed
 into place when complete, so ``kill -9`` leaves the previous steps intact and
@@ -54,7 +58,8 @@ class RunDirectory:
 
     Args:
       directory: the absolute output directory.
-      record: ``{"settings": …, "source": …}``, JSON-able; a run found there must have recorded the same.
+      record: ``{"settings": …, "source": …}``, JSON-able; a run found there must have recorded the
+        same.
     """
 
     def __init__(self, directory: str, record: dict):
@@ -65,20 +70,32 @@ class RunDirectory:
             differences = _differences({k: stored.get(k) for k in record}, record)
             if differences:
                 raise ResumeMismatchError(
-                    f"{directory} holds a fine-tuning run with other settings ({'; '.join(differences)}); re-run "
-                    "with the same flags to resume it, or choose a new --output_dir")
+                    f"{directory} holds a fine-tuning run with other settings "
+                    f"({'; '.join(differences)}); re-run "
+                    "with the same flags to resume it, or choose a new --output_dir"
+                )
             self.manifest = stored
         else:
-            self.manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, **record, "complete": False,
-                             "model": None}
+            self.manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                **record,
+                "complete": False,
+                "model": None,
+            }
             write_json_atomic(os.path.join(directory, MANIFEST), self.manifest)
         partial = self.path(MODEL + ".partial")
         if os.path.exists(partial):
             shutil.rmtree(partial)
         self.checkpoints = ocp.CheckpointManager(
             self.path(TRAIN_STATE),
-            options=ocp.CheckpointManagerOptions(max_to_keep=KEEP_CHECKPOINTS, enable_async_checkpointing=False,
-                                                 cleanup_tmp_directories=True, create=True))
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=KEEP_CHECKPOINTS,
+                enable_async_checkpointing=False,
+                cleanup_tmp_directories=True,
+                create=True,
+            ),
+        )
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -96,11 +113,13 @@ class RunDirectory:
         self.checkpoints.wait_until_finished()
 
     def restore(self, step: int, abstract_state: dict) -> dict:
-        """The state saved at ``step``, in the structure, shapes and shardings of ``abstract_state``."""
+        """The state saved at ``step``, in the structure, shapes and shardings of
+        ``abstract_state``."""
         return self.checkpoints.restore(step, args=ocp.args.StandardRestore(abstract_state))
 
     def metrics_records(self, up_to_step: int) -> list[dict]:
-        """The metrics of steps ≤ ``up_to_step`` (what a resumed run keeps); rewrites the file without the rest."""
+        """The metrics of steps ≤ ``up_to_step`` (what a resumed run keeps); rewrites the file
+        without the rest."""
         path = self.path(METRICS)
         if not os.path.exists(path):
             return []
@@ -120,7 +139,8 @@ class RunDirectory:
             os.fsync(f.fileno())
 
     def finish(self, model_path: str, summary: dict) -> None:
-        """Marks the run complete once its model is in place (``model_path`` relative to the directory)."""
+        """Marks the run complete once its model is in place (``model_path`` relative to the
+        directory)."""
         self.manifest.update(complete=True, model=model_path, summary=summary)
         write_json_atomic(self.path(MANIFEST), self.manifest)
 

@@ -21,8 +21,8 @@ import numpy as np
 from qmoe_jax.checkpoints import write_t5x_checkpoint
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint, CompressedCheckpointWriter
 from qmoe_jax.codec import CompressedExperts
-from qmoe_jax.training.trainable import EXPERT_KERNEL, flatten, unflatten
 from qmoe_jax.models.lora import LORA
+from qmoe_jax.training.trainable import EXPERT_KERNEL, flatten, unflatten
 
 
 def _host_float32(tree: dict) -> dict:
@@ -34,7 +34,9 @@ def dense_and_adapters(params: dict) -> tuple[dict, dict]:
     ``{layer: {kernel: adapter}}``) of a compressed model's tree, on the host in float32."""
     dense, adapters = {}, {}
     for path, leaf in flatten(params).items():
-        if isinstance(leaf, CompressedExperts) or EXPERT_KERNEL.search(path):  # frozen: the source's codes
+        if isinstance(leaf, CompressedExperts) or EXPERT_KERNEL.search(
+            path
+        ):  # frozen: the source's codes
             continue
         if f"/expert/{LORA}/" in path:
             layer, _, rest = path.partition(f"/expert/{LORA}/")
@@ -49,8 +51,11 @@ def _fresh(path: str) -> None:
         shutil.rmtree(path)
 
 
-def write_compressed(source: str, target: str, params: dict, finetune: dict, lora_rank: int) -> None:
-    """The fine-tuned compressed checkpoint of ``params`` at ``target`` (experts copied from ``source``)."""
+def write_compressed(
+    source: str, target: str, params: dict, finetune: dict, lora_rank: int
+) -> None:
+    """The fine-tuned compressed checkpoint of ``params`` at ``target`` (experts copied from
+    ``source``)."""
     staging = target + ".partial"
     _fresh(staging)
     _fresh(target)
@@ -71,7 +76,8 @@ def write_compressed(source: str, target: str, params: dict, finetune: dict, lor
 
 
 def write_t5x(target: str, params: dict, step: int) -> str:
-    """A legacy T5X checkpoint of ``params`` under ``target``; returns its ``checkpoint_<step>`` directory."""
+    """A legacy T5X checkpoint of ``params`` under ``target``; returns its ``checkpoint_<step>``
+    directory."""
     staging = target + ".partial"
     _fresh(staging)
     _fresh(target)

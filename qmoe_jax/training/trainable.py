@@ -33,7 +33,9 @@ def unflatten(flat: dict[str, object]) -> dict:
 
 
 def _is_float(leaf) -> bool:
-    return not isinstance(leaf, CompressedExperts) and jnp.issubdtype(jnp.asarray(leaf).dtype, jnp.floating)
+    return not isinstance(leaf, CompressedExperts) and jnp.issubdtype(
+        jnp.asarray(leaf).dtype, jnp.floating
+    )
 
 
 def select_trainable(params: dict, patterns: Sequence[str] | None) -> list[str]:
@@ -60,18 +62,28 @@ def select_trainable(params: dict, patterns: Sequence[str] | None) -> list[str]:
             try:
                 regex = re.compile(pattern)
             except re.error as error:
-                raise ValueError(f"--trainable pattern {pattern!r} is not a regular expression: {error}") from None
+                raise ValueError(
+                    f"--trainable pattern {pattern!r} is not a regular expression: {error}"
+                ) from None
             matched = [path for path in candidates if regex.search(path)]
             if not matched:
                 frozen = [path for path in flat if regex.search(path) and path not in candidates]
-                what = (f"only frozen compressed experts or adapters ({frozen[0]}, ...)" if frozen
-                        else "no parameter")
-                raise ValueError(f"--trainable pattern {pattern!r} matches {what}; patterns are regular "
-                                 f"expressions searched in paths such as {candidates[0]!r}")
+                what = (
+                    f"only frozen compressed experts or adapters ({frozen[0]}, ...)"
+                    if frozen
+                    else "no parameter"
+                )
+                raise ValueError(
+                    f"--trainable pattern {pattern!r} matches {what}; patterns are regular "
+                    f"expressions searched in paths such as {candidates[0]!r}"
+                )
             chosen.update(matched)
     chosen.update(adapters)
     if not chosen:
-        raise ValueError("nothing to train: the model has no trainable parameters under these --trainable patterns")
+        raise ValueError(
+            "nothing to train: the model has no trainable parameters under these --trainable "
+            "patterns"
+        )
     return sorted(chosen)
 
 

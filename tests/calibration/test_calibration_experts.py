@@ -1,4 +1,5 @@
-"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering a group,
+"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering a
+  group,
 and the per-expert widths its Hessians and forward run on."""
 
 import numpy as np
@@ -80,6 +81,7 @@ def test_a_sequential_call_counts_one_experts_working_copies_per_device():
         SEQUENTIAL_WEIGHT_COPIES,
         ExpertCompressionConfig,
     )
+
     rows, cols = 768, 3072
     working = 4 * cols * (SEQUENTIAL_HESSIAN_COPIES * cols + SEQUENTIAL_WEIGHT_COPIES * rows)
     held = 4 * cols * (cols + rows) + rows * cols  # each expert's Hessian, weights and codes
@@ -87,20 +89,38 @@ def test_a_sequential_call_counts_one_experts_working_copies_per_device():
     settings = ExpertCompressionConfig(group_size=16, gptq_memory=working + 6 * held)
     assert settings.experts_per_call(rows, cols, 16, sequential=True) == 6  # 6 fit: three calls
     assert settings.experts_per_call(rows, cols, 12, sequential=True) == 6
-    assert settings.experts_per_call(rows, cols, 16, sequential=False) == 2  # vmapped: every expert's copies
+    assert (
+        settings.experts_per_call(rows, cols, 16, sequential=False) == 2
+    )  # vmapped: every expert's copies
     # Two devices each run one expert at a time: two working sets, room for 2 experts' inputs.
     assert settings.experts_per_call(rows, cols, 12, sequential=True, devices=2) == 2
-    assert ExpertCompressionConfig(gptq_memory=working - 1).experts_per_call(rows, cols, 16, sequential=True) == 1
+    assert (
+        ExpertCompressionConfig(gptq_memory=working - 1).experts_per_call(
+            rows, cols, 16, sequential=True
+        )
+        == 1
+    )
     roomy = ExpertCompressionConfig(group_size=16, gptq_memory=1 << 40)
-    assert roomy.experts_per_call(rows, cols, 16, sequential=True) == 16  # never past the group size
+    assert (
+        roomy.experts_per_call(rows, cols, 16, sequential=True) == 16
+    )  # never past the group size
 
 
-@pytest.mark.parametrize(("last", "size", "width"), [
-    (0, 16, 8),  # no kept token: the smallest width
-    (5, 5, 5),  # never past the buffer
-    (8, 1024, 8), (9, 1024, 9), (100, 1024, 104), (700, 1024, 704), (1000, 1024, 1024),
-    (2049, 4096, 2304), (3000, 4096, 3072), (4096, 4096, 4096),
-])
+@pytest.mark.parametrize(
+    ("last", "size", "width"),
+    [
+        (0, 16, 8),  # no kept token: the smallest width
+        (5, 5, 5),  # never past the buffer
+        (8, 1024, 8),
+        (9, 1024, 9),
+        (100, 1024, 104),
+        (700, 1024, 704),
+        (1000, 1024, 1024),
+        (2049, 4096, 2304),
+        (3000, 4096, 3072),
+        (4096, 4096, 4096),
+    ],
+)
 def test_token_width_covers_every_kept_token(last, size, width):
     mask = np.zeros((3, size), bool)
     if last:
@@ -108,7 +128,9 @@ def test_token_width_covers_every_kept_token(last, size, width):
         mask[0, : last // 2] = True
     assert token_width(mask) == width
     assert token_width(mask[1]) == width  # one expert's row
-    assert width >= last and (width - last) * 8 <= max(last, 64)  # at most 12.5% over (beyond tiny widths)
+    assert width >= last and (width - last) * 8 <= max(
+        last, 64
+    )  # at most 12.5% over (beyond tiny widths)
 
 
 def test_token_width_floor_stays_inside_the_buffer():
@@ -131,7 +153,8 @@ def _uneven_group(cols: int, counts, size: int, seed: int):
 
 @pytest.mark.parametrize("cols", [768, pytest.param(3072, marks=pytest.mark.slow)])
 def test_hessians_on_each_experts_own_width_match_the_padded_group(cols):
-    """The calibration pass computes each expert's Hessian on its own ``token_width``, not the group's padded
+    """The calibration pass computes each expert's Hessian on its own ``token_width``, not the
+    group's padded
     length: the same sums up to float rounding (the matmul splits a different number of rows)."""
     import jax.numpy as jnp
 
@@ -143,13 +166,15 @@ def test_hessians_on_each_experts_own_width_match_the_padded_group(cols):
         width = token_width(mask[expert])
         own = hessian(jnp.asarray(tokens[expert, :width]), jnp.asarray(mask[expert, :width]))
         scale = float(jnp.abs(padded[expert]).max())
-        np.testing.assert_allclose(np.asarray(own), np.asarray(padded[expert]), rtol=0, atol=1e-5 * scale)
+        np.testing.assert_allclose(
+            np.asarray(own), np.asarray(padded[expert]), rtol=0, atol=1e-5 * scale
+        )
 
 
 def test_expert_outputs_on_their_own_width_match_the_padded_buffer():
-    """An expert's forward runs on its tokens' width (at least FORWARD_MIN_TOKENS), zero past it; the rows it
-    computes equal the padded buffer's (bit for bit on XLA:CPU from 64 rows on, as measured; checked to
-    rounding here)."""
+    """An expert's forward runs on its tokens' width (at least FORWARD_MIN_TOKENS), zero past it;
+    the rows it computes equal the padded buffer's (bit for bit on XLA:CPU from 64 rows on, as
+    measured; checked to rounding here)."""
     import jax.numpy as jnp
 
     from qmoe_jax.calibration.expert_groups import _expert_outputs
@@ -158,15 +183,23 @@ def test_expert_outputs_on_their_own_width_match_the_padded_buffer():
 
     config = get_config("switch-mini-8")
     rng = np.random.default_rng(3)
-    in_kernels = {"wi": jnp.asarray(rng.standard_normal((config.d_model, config.d_ff)).astype(np.float32) * 0.1)}
-    out_kernel = jnp.asarray(rng.standard_normal((config.d_ff, config.d_model)).astype(np.float32) * 0.1)
+    in_kernels = {
+        "wi": jnp.asarray(
+            rng.standard_normal((config.d_model, config.d_ff)).astype(np.float32) * 0.1
+        )
+    }
+    out_kernel = jnp.asarray(
+        rng.standard_normal((config.d_ff, config.d_model)).astype(np.float32) * 0.1
+    )
     for count in (0, 5, 200, 1024):
         inputs = np.zeros((1024, config.d_model), np.float32)
         inputs[:count] = rng.standard_normal((count, config.d_model))
         gates = np.zeros(1024, np.float32)
         gates[:count] = rng.random(count)
         valid = np.arange(1024) < count
-        padded = np.asarray(expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs), jnp.asarray(gates)))
+        padded = np.asarray(
+            expert_outputs(config, in_kernels, out_kernel, jnp.asarray(inputs), jnp.asarray(gates))
+        )
         own = _expert_outputs(config, in_kernels, out_kernel, inputs, gates, valid)
         width = token_width(valid, floor=FORWARD_MIN_TOKENS)
         assert width >= max(count, 1) and width >= min(FORWARD_MIN_TOKENS, 1024)

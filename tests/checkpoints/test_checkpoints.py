@@ -30,35 +30,60 @@ EXPERT_WI = "encoder/layers_1/mlp/expert/wi/kernel"
 
 
 def _attention(rng, dtype):
-    return {name: {"kernel": rng.normal(size=(HK, D) if name == "out" else (D, HK)).astype(dtype)}
-            for name in ("query", "key", "value", "out")}
+    return {
+        name: {"kernel": rng.normal(size=(HK, D) if name == "out" else (D, HK)).astype(dtype)}
+        for name in ("query", "key", "value", "out")
+    }
 
 
 def _mlp(rng, dtype, sparse):
     if not sparse:
-        return {"wi": {"kernel": rng.normal(size=(D, F)).astype(dtype)},
-                "wo": {"kernel": rng.normal(size=(F, D)).astype(dtype)}}
-    return {"router": {"router_weights": {"w": {"kernel": rng.normal(size=(D, E)).astype(dtype)}}},
-            "expert": {"wi": {"kernel": rng.normal(size=(E, D, F)).astype(dtype)},
-                       "wo": {"kernel": rng.normal(size=(E, F, D)).astype(dtype)}}}
+        return {
+            "wi": {"kernel": rng.normal(size=(D, F)).astype(dtype)},
+            "wo": {"kernel": rng.normal(size=(F, D)).astype(dtype)},
+        }
+    return {
+        "router": {"router_weights": {"w": {"kernel": rng.normal(size=(D, E)).astype(dtype)}}},
+        "expert": {
+            "wi": {"kernel": rng.normal(size=(E, D, F)).astype(dtype)},
+            "wo": {"kernel": rng.normal(size=(E, F, D)).astype(dtype)},
+        },
+    }
 
 
 def switch_tree(seed=0, dtype=np.float32):
-    """A 2+2-layer Switch param tree with the real T5X names (docs/t5x.md §2); layers_1 is sparse."""
+    """A 2+2-layer Switch param tree with the real T5X names (docs/t5x.md §2); layers_1 is
+    sparse."""
     rng = np.random.default_rng(seed)
     scale = lambda: {"scale": rng.normal(size=(D,)).astype(dtype)}
-    encoder = {"relpos_bias": {"rel_embedding": rng.normal(size=(H, 32)).astype(dtype)}, "encoder_norm": scale()}
-    decoder = {"relpos_bias": {"rel_embedding": rng.normal(size=(H, 32)).astype(dtype)}, "decoder_norm": scale()}
+    encoder = {
+        "relpos_bias": {"rel_embedding": rng.normal(size=(H, 32)).astype(dtype)},
+        "encoder_norm": scale(),
+    }
+    decoder = {
+        "relpos_bias": {"rel_embedding": rng.normal(size=(H, 32)).astype(dtype)},
+        "decoder_norm": scale(),
+    }
     for i in range(2):
-        encoder[f"layers_{i}"] = {"attention": _attention(rng, dtype), "pre_attention_layer_norm": scale(),
-                                  "pre_mlp_layer_norm": scale(), "mlp": _mlp(rng, dtype, sparse=i == 1)}
-        decoder[f"layers_{i}"] = {"self_attention": _attention(rng, dtype),
-                                  "encoder_decoder_attention": _attention(rng, dtype),
-                                  "pre_self_attention_layer_norm": scale(),
-                                  "pre_cross_attention_layer_norm": scale(), "pre_mlp_layer_norm": scale(),
-                                  "mlp": _mlp(rng, dtype, sparse=i == 1)}
-    return {"token_embedder": {"embedding": rng.normal(size=(V, D)).astype(dtype)},
-            "encoder": encoder, "decoder": decoder}
+        encoder[f"layers_{i}"] = {
+            "attention": _attention(rng, dtype),
+            "pre_attention_layer_norm": scale(),
+            "pre_mlp_layer_norm": scale(),
+            "mlp": _mlp(rng, dtype, sparse=i == 1),
+        }
+        decoder[f"layers_{i}"] = {
+            "self_attention": _attention(rng, dtype),
+            "encoder_decoder_attention": _attention(rng, dtype),
+            "pre_self_attention_layer_norm": scale(),
+            "pre_cross_attention_layer_norm": scale(),
+            "pre_mlp_layer_norm": scale(),
+            "mlp": _mlp(rng, dtype, sparse=i == 1),
+        }
+    return {
+        "token_embedder": {"embedding": rng.normal(size=(V, D)).astype(dtype)},
+        "encoder": encoder,
+        "decoder": decoder,
+    }
 
 
 def flat(tree, prefix=""):
@@ -124,17 +149,25 @@ def test_round_trip_through_memory_kvstore():
 
 
 @settings(max_examples=25, deadline=None)
-@given(array=hnp.arrays(st.sampled_from([np.float32, ml_dtypes.bfloat16, np.int32]),
-                        hnp.array_shapes(min_dims=1, max_dims=3, max_side=6),
-                        elements=st.integers(-1000, 1000)),
-       experts_per_chunk=st.sampled_from([None, 1]))
+@given(
+    array=hnp.arrays(
+        st.sampled_from([np.float32, ml_dtypes.bfloat16, np.int32]),
+        hnp.array_shapes(min_dims=1, max_dims=3, max_side=6),
+        elements=st.integers(-1000, 1000),
+    ),
+    experts_per_chunk=st.sampled_from([None, 1]),
+)
 def test_legacy_round_trip_property(array, experts_per_chunk):
     context = ts.Context()
     params = {"mlp": {"expert": {"wi": {"kernel": array}}}, "norm": {"scale": array.reshape(-1)}}
-    path = write_t5x_checkpoint("memory://m", params, 1, experts_per_chunk=experts_per_chunk, context=context)
+    path = write_t5x_checkpoint(
+        "memory://m", params, 1, experts_per_chunk=experts_per_chunk, context=context
+    )
     ckpt = open_t5x_checkpoint(path, context=context)
     np.testing.assert_array_equal(ckpt.read("mlp/expert/wi/kernel"), array)
-    np.testing.assert_array_equal(ckpt.read_expert("mlp/expert/wi/kernel", array.shape[0] - 1), array[-1])
+    np.testing.assert_array_equal(
+        ckpt.read_expert("mlp/expert/wi/kernel", array.shape[0] - 1), array[-1]
+    )
     np.testing.assert_array_equal(ckpt.read_params()["norm"]["scale"], array.reshape(-1))
 
 
@@ -151,17 +184,27 @@ def test_legacy_layout_is_t5x(legacy_bf16):
     step = contents["optimizer"]["state"]["step"]
     assert step == 1000 and step.dtype == np.int32
     assert list(contents["optimizer"]["target"]) == ["decoder", "encoder", "token_embedder"]
-    assert contents["optimizer"]["target"]["encoder"]["layers_1"]["mlp"]["expert"]["wi"]["kernel"] == {
+    assert contents["optimizer"]["target"]["encoder"]["layers_1"]["mlp"]["expert"]["wi"][
+        "kernel"
+    ] == {
         "driver": "zarr",
         "dtype": "bfloat16",
         "kvstore": {"driver": "file", "path": "target.encoder.layers_1.mlp.expert.wi.kernel/"},
-        "metadata": {"chunks": [1, D, F], "compressor": {"id": "gzip", "level": 1}, "shape": [E, D, F]},
+        "metadata": {
+            "chunks": [1, D, F],
+            "compressor": {"id": "gzip", "level": 1},
+            "shape": [E, D, F],
+        },
     }
     array_dir = os.path.join(path, "target.encoder.layers_1.mlp.expert.wi.kernel")
     assert sorted(os.listdir(array_dir)) == [".zarray"] + [f"{e}.0.0" for e in range(E)]
     with open(os.path.join(array_dir, ".zarray")) as f:
         zarray = json.load(f)
-    assert (zarray["dtype"], zarray["compressor"]["id"], zarray["fill_value"]) == ("bfloat16", "gzip", None)
+    assert (zarray["dtype"], zarray["compressor"]["id"], zarray["fill_value"]) == (
+        "bfloat16",
+        "gzip",
+        None,
+    )
     with open(os.path.join(array_dir, "0.0.0"), "rb") as f:
         assert f.read(2) == b"\x1f\x8b"  # gzip magic
 
@@ -237,7 +280,9 @@ def test_keys_without_data(legacy_bf16, tmp_path):
             shutil.rmtree(os.path.join(path, name))
     ckpt = open_t5x_checkpoint(path)
     assert ckpt.keys() == sorted(flat(params))
-    assert ckpt.info(EXPERT_WI).shape == (E, D, F) and ckpt.info(EXPERT_WI).dtype == ml_dtypes.bfloat16
+    assert (
+        ckpt.info(EXPERT_WI).shape == (E, D, F) and ckpt.info(EXPERT_WI).dtype == ml_dtypes.bfloat16
+    )
 
 
 def test_orbax_keys_without_data(tmp_path):
@@ -264,8 +309,13 @@ def test_detection_of_every_accepted_location(legacy_bf16, tmp_path):
 def test_inline_arrays_as_t5x_writes_unpartitioned_params(tmp_path):
     """T5X stores arrays without partitioning axes inline in the msgpack (ext type 1)."""
     embedding = np.arange(12, dtype=np.float32).reshape(3, 4).astype(ml_dtypes.bfloat16)
-    contents = {"version": 3, "optimizer": {"state": {"step": np.int32(4)},
-                                            "target": {"token_embedder": {"embedding": embedding}}}}
+    contents = {
+        "version": 3,
+        "optimizer": {
+            "state": {"step": np.int32(4)},
+            "target": {"token_embedder": {"embedding": embedding}},
+        },
+    }
     (tmp_path / "checkpoint").write_bytes(serialization.msgpack_serialize(contents, in_place=True))
     ckpt = open_t5x_checkpoint(tmp_path)
     assert ckpt.step == 4 and ckpt.info("token_embedder/embedding").chunks is None
@@ -274,7 +324,9 @@ def test_inline_arrays_as_t5x_writes_unpartitioned_params(tmp_path):
 
 def test_missing_array_names_close_matches(legacy_bf16):
     ckpt = open_t5x_checkpoint(legacy_bf16[0])
-    with pytest.raises(MissingArrayError, match="close matches: encoder/layers_1/mlp/expert/wi/kernel"):
+    with pytest.raises(
+        MissingArrayError, match="close matches: encoder/layers_1/mlp/expert/wi/kernel"
+    ):
         ckpt.read("encoder/layers_1/mlp/experts/wi/kernel")
     with pytest.raises(MissingArrayError):
         ckpt.read_params(["encoder/layers_7"])
@@ -306,12 +358,16 @@ def test_check_shapes(legacy_bf16):
     with pytest.raises(ShapeMismatchError) as error:
         ckpt.check_shapes(expected_shapes(num_experts=8), config_name="switch-tiny-8")
     message = str(error.value)
-    assert (f"{EXPERT_WI} has shape (4, 8, 16) in the checkpoint but the config switch-tiny-8 "
-            "expects (8, 8, 16)") in message
+    assert (
+        f"{EXPERT_WI} has shape (4, 8, 16) in the checkpoint but the config switch-tiny-8 "
+        "expects (8, 8, 16)"
+    ) in message
     assert "the checkpoint has 4 experts per sparse layer but the config 8" in message
     with pytest.raises(ShapeMismatchError, match="untied logits"):
         ckpt.check_shapes(expected_shapes(**{"decoder/logits_dense/kernel": (D, V)}))
-    with pytest.raises(ShapeMismatchError, match="is in the checkpoint but the config does not expect"):
+    with pytest.raises(
+        ShapeMismatchError, match="is in the checkpoint but the config does not expect"
+    ):
         ckpt.check_shapes(expected_shapes(**{"token_embedder/embedding": None}))
     ckpt.check_shapes(expected_shapes(**{"token_embedder/embedding": None}), allow_extra=True)
 
@@ -321,8 +377,13 @@ def test_check_shapes_explains_layer_layout(legacy_bf16):
     deeper = expected_shapes(**{"encoder/layers_2/pre_mlp_layer_norm/scale": (D,)})
     with pytest.raises(ShapeMismatchError, match="2 encoder layers but the config 3"):
         ckpt.check_shapes(deeper)
-    sparse_first = {p.replace("layers_0/mlp/wi", "layers_0/mlp/expert/wi"): s for p, s in expected_shapes().items()}
-    with pytest.raises(ShapeMismatchError, match="coder/layers_0 is dense in the checkpoint but sparse"):
+    sparse_first = {
+        p.replace("layers_0/mlp/wi", "layers_0/mlp/expert/wi"): s
+        for p, s in expected_shapes().items()
+    }
+    with pytest.raises(
+        ShapeMismatchError, match="coder/layers_0 is dense in the checkpoint but sparse"
+    ):
         ckpt.check_shapes(sparse_first)
 
 
@@ -344,17 +405,33 @@ def test_not_a_checkpoint(tmp_path):
         open_t5x_checkpoint("memory://nothing/", context=ts.Context())
 
 
-@pytest.mark.parametrize("content, match", [
-    (b"\x82\xa7version\x03\xa9optim", "not a readable msgpack"),  # truncated
-    (b"", "not a readable msgpack"),
-    (msgpack.packb({"params": {}}), "not a T5X checkpoint"),
-    (b"model_checkpoint_path: \"model.ckpt-0\"\n", "TensorFlow checkpoint"),
-    (serialization.msgpack_serialize(
-        {"version": 2, "optimizer": {"target": {"w": {"driver": "zarr", "dtype": "uint16",
-                                                      "kvstore": {"driver": "file", "path": "target.w/"},
-                                                      "metadata": {"shape": [2], "chunks": [2]}}}}}),
-     "version-2 T5X checkpoint"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\x82\xa7version\x03\xa9optim", "not a readable msgpack"),  # truncated
+        (b"", "not a readable msgpack"),
+        (msgpack.packb({"params": {}}), "not a T5X checkpoint"),
+        (b'model_checkpoint_path: "model.ckpt-0"\n', "TensorFlow checkpoint"),
+        (
+            serialization.msgpack_serialize(
+                {
+                    "version": 2,
+                    "optimizer": {
+                        "target": {
+                            "w": {
+                                "driver": "zarr",
+                                "dtype": "uint16",
+                                "kvstore": {"driver": "file", "path": "target.w/"},
+                                "metadata": {"shape": [2], "chunks": [2]},
+                            }
+                        }
+                    },
+                }
+            ),
+            "version-2 T5X checkpoint",
+        ),
+    ],
+)
 def test_corrupt_msgpack(tmp_path, content, match):
     (tmp_path / "checkpoint").write_bytes(content)
     with pytest.raises(CorruptCheckpointError, match=match):
@@ -363,12 +440,24 @@ def test_corrupt_msgpack(tmp_path, content, match):
 
 def test_corrupt_chunk_and_metadata(legacy_bf16, tmp_path):
     path = copy_of(legacy_bf16[0], tmp_path)
-    with open(os.path.join(path, "target.encoder.layers_1.mlp.expert.wi.kernel", "1.0.0"), "wb") as f:
+    with open(
+        os.path.join(path, "target.encoder.layers_1.mlp.expert.wi.kernel", "1.0.0"), "wb"
+    ) as f:
         f.write(b"not gzip")
     with open(os.path.join(path, "target.token_embedder.embedding", ".zarray"), "w") as f:
-        json.dump({"zarr_format": 2, "shape": [V + 1, D], "chunks": [V + 1, D], "dtype": "bfloat16",
-                   "compressor": {"id": "gzip", "level": 1}, "fill_value": None, "filters": None,
-                   "order": "C"}, f)
+        json.dump(
+            {
+                "zarr_format": 2,
+                "shape": [V + 1, D],
+                "chunks": [V + 1, D],
+                "dtype": "bfloat16",
+                "compressor": {"id": "gzip", "level": 1},
+                "fill_value": None,
+                "filters": None,
+                "order": "C",
+            },
+            f,
+        )
     ckpt = open_t5x_checkpoint(path)
     with pytest.raises(CorruptCheckpointError, match="missing or damaged"):
         ckpt.read_expert(EXPERT_WI, 1)
@@ -378,8 +467,12 @@ def test_corrupt_chunk_and_metadata(legacy_bf16, tmp_path):
 
 def test_orbax_checkpoint_with_missing_data_file_fails_loudly(tmp_path):
     path = write_t5x_checkpoint(tmp_path, switch_tree(), 1, "orbax")
-    data_files = [os.path.join(root, name) for root, _, names in os.walk(os.path.join(path, "state"))
-                  for name in names if os.path.basename(root) == "d"]
+    data_files = [
+        os.path.join(root, name)
+        for root, _, names in os.walk(os.path.join(path, "state"))
+        for name in names
+        if os.path.basename(root) == "d"
+    ]
     for name in data_files:
         os.remove(name)
     with pytest.raises(CorruptCheckpointError):

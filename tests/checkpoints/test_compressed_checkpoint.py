@@ -12,18 +12,26 @@ from qmoe_jax.checkpoints.format_v1 import (
 )
 from qmoe_jax.codec import build_dictionary
 
-HEADER = {"model": {"name": "tiny"}, "source": "memory", "settings": {"grid": {"kind": "ternary", "bits": None}}}
+HEADER = {
+    "model": {"name": "tiny"},
+    "source": "memory",
+    "settings": {"grid": {"kind": "ternary", "bits": None}},
+}
 
 
 def layer_arrays(seed):
     rng = np.random.default_rng(seed)
     return {
-        "wi": {"codes": rng.integers(0, 65535, (2, 40), dtype=np.uint16),
-               "row_offsets": np.tile(np.arange(5, dtype=np.int32) * 10, (2, 1)),
-               "minmax": rng.normal(size=(2, 4, 2)).astype(ml_dtypes.bfloat16)},
-        "wo": {"codes": rng.integers(0, 65535, (2, 30), dtype=np.uint16),
-               "row_offsets": np.tile(np.arange(4, dtype=np.int32) * 10, (2, 1)),
-               "minmax": rng.normal(size=(2, 3, 2)).astype(ml_dtypes.bfloat16)},
+        "wi": {
+            "codes": rng.integers(0, 65535, (2, 40), dtype=np.uint16),
+            "row_offsets": np.tile(np.arange(5, dtype=np.int32) * 10, (2, 1)),
+            "minmax": rng.normal(size=(2, 4, 2)).astype(ml_dtypes.bfloat16),
+        },
+        "wo": {
+            "codes": rng.integers(0, 65535, (2, 30), dtype=np.uint16),
+            "row_offsets": np.tile(np.arange(4, dtype=np.int32) * 10, (2, 1)),
+            "minmax": rng.normal(size=(2, 3, 2)).astype(ml_dtypes.bfloat16),
+        },
     }
 
 
@@ -40,7 +48,11 @@ def assert_tree_equal(a, b):
 @pytest.mark.slow
 def test_round_trip(tmp_path):
     writer = CompressedCheckpointWriter(str(tmp_path), HEADER)
-    dense = {"encoder": {"layers_0": {"attention": {"query": {"kernel": np.ones((4, 4), ml_dtypes.bfloat16)}}}}}
+    dense = {
+        "encoder": {
+            "layers_0": {"attention": {"query": {"kernel": np.ones((4, 4), ml_dtypes.bfloat16)}}}
+        }
+    }
     writer.write_dense(dense)
     fingerprint = writer.write_dictionary(build_dictionary())
     writer.write_layer("encoder.layers_1.mlp", layer_arrays(0), {"dictionary": fingerprint})
@@ -75,8 +87,10 @@ def test_flipped_byte_on_disk_names_the_array(tmp_path):
     # flipped byte survives Orbax's compression and only the checksum sees it.
     writer = CompressedCheckpointWriter(str(tmp_path), HEADER)
     rng = np.random.default_rng(0)
-    arrays = {"wi": {"codes": rng.integers(0, 65535, (4, 4096), dtype=np.uint16)},
-              "wo": {"codes": rng.integers(0, 65535, (4, 4096), dtype=np.uint16)}}
+    arrays = {
+        "wi": {"codes": rng.integers(0, 65535, (4, 4096), dtype=np.uint16)},
+        "wo": {"codes": rng.integers(0, 65535, (4, 4096), dtype=np.uint16)},
+    }
     writer.write_layer("encoder.layers_1.mlp", arrays, {"dictionary": None})
     data = tmp_path / "layers" / "encoder.layers_1.mlp" / "arrays" / "ocdbt.process_0" / "d"
     largest = max(data.iterdir(), key=lambda p: p.stat().st_size)
@@ -99,8 +113,9 @@ def test_resume_keeps_finished_layers_and_drops_partial_ones(tmp_path):
 def test_resume_with_another_header_refused_once_a_part_is_finished(tmp_path):
     CompressedCheckpointWriter(str(tmp_path), HEADER)
     other = dict(HEADER, settings={"grid": {"kind": "minmax", "bits": 2}})
-    CompressedCheckpointWriter(str(tmp_path), other).write_layer("encoder.layers_1.mlp", layer_arrays(0),
-                                                                 {"dictionary": None})  # nothing finished: replaced
+    CompressedCheckpointWriter(str(tmp_path), other).write_layer(
+        "encoder.layers_1.mlp", layer_arrays(0), {"dictionary": None}
+    )  # nothing finished: replaced
     with pytest.raises(CompressedCheckpointError, match="another run"):
         CompressedCheckpointWriter(str(tmp_path), HEADER)
 
@@ -108,10 +123,16 @@ def test_resume_with_another_header_refused_once_a_part_is_finished(tmp_path):
 def test_not_a_checkpoint_and_wrong_version(tmp_path):
     with pytest.raises(CompressedCheckpointError, match="not a qmoe_jax compressed checkpoint"):
         CompressedCheckpoint(str(tmp_path))
-    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "name": "another tool"}))
-    with pytest.raises(CompressedCheckpointError, match="not the manifest of a qmoe_jax compressed checkpoint"):
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"format_version": 1, "name": "another tool"})
+    )
+    with pytest.raises(
+        CompressedCheckpointError, match="not the manifest of a qmoe_jax compressed checkpoint"
+    ):
         CompressedCheckpoint(str(tmp_path))
-    (tmp_path / "manifest.json").write_text(json.dumps({"format": "qmoe_jax.compressed", "format_version": 99}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"format": "qmoe_jax.compressed", "format_version": 99})
+    )
     with pytest.raises(CompressedCheckpointError, match="format version 99"):
         CompressedCheckpoint(str(tmp_path))
 

@@ -33,11 +33,16 @@ def test_kbit_arrays_and_their_check():
     arrays = kbit_arrays(codes, params)
     assert arrays["codes"].shape == (3, 3, 4)
     check_kernel_arrays(arrays, ternary=False, where="layer/wo")
-    with pytest.raises(ValueError, match=r"layer/wo holds arrays \['codes', 'grid_params'\], expected"):
+    with pytest.raises(
+        ValueError, match=r"layer/wo holds arrays \['codes', 'grid_params'\], expected"
+    ):
         check_kernel_arrays(arrays, ternary=True, where="layer/wo")
     with pytest.raises(ValueError, match="layer/wo/grid_params is bfloat16, expected float32"):
-        check_kernel_arrays(arrays | {"grid_params": arrays["grid_params"].astype(ml_dtypes.bfloat16)},
-                            ternary=False, where="layer/wo")
+        check_kernel_arrays(
+            arrays | {"grid_params": arrays["grid_params"].astype(ml_dtypes.bfloat16)},
+            ternary=False,
+            where="layer/wo",
+        )
 
 
 def test_kernel_cols():

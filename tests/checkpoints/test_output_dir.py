@@ -27,7 +27,9 @@ def test_new_empty_and_own_directories_are_writable(tmp_path):
 
 def test_outputs_written_before_the_marker_are_recognized(tmp_path):
     (tmp_path / "layers").mkdir()
-    (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "header": HEADER, "layers": {}}))
+    (tmp_path / "manifest.json").write_text(
+        json.dumps({"format_version": 1, "header": HEADER, "layers": {}})
+    )
     check_writable(str(tmp_path), COMPRESSED_OUTPUT)
 
 
@@ -35,7 +37,9 @@ def test_unrelated_directory_is_refused_naming_what_it_holds(tmp_path):
     (tmp_path / "layers" / "exp1").mkdir(parents=True)
     (tmp_path / "layers" / "exp1" / "r.csv").write_text("r")
     (tmp_path / "report.json").write_text("{}")
-    with pytest.raises(OutputDirectoryError, match=rf"{tmp_path} is not empty .* \(it holds layers/, report.json\)"):
+    with pytest.raises(
+        OutputDirectoryError, match=rf"{tmp_path} is not empty .* \(it holds layers/, report.json\)"
+    ):
         check_writable(str(tmp_path), COMPRESSED_OUTPUT)
     with pytest.raises(OutputDirectoryError, match="not empty"):
         CompressedCheckpointWriter(str(tmp_path), HEADER)
@@ -45,7 +49,9 @@ def test_unrelated_directory_is_refused_naming_what_it_holds(tmp_path):
 
 def test_another_tools_manifest_is_refused(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "files": []}))
-    with pytest.raises(OutputDirectoryError, match='holds a manifest.json that is not .* "qmoe_jax.compressed"'):
+    with pytest.raises(
+        OutputDirectoryError, match='holds a manifest.json that is not .* "qmoe_jax.compressed"'
+    ):
         check_writable(str(tmp_path), COMPRESSED_OUTPUT)
 
 
@@ -56,10 +62,14 @@ def test_a_file_is_refused(tmp_path):
 
 
 def test_the_lock_refuses_a_second_writer(tmp_path):
-    with claimed(str(tmp_path / "out"), COMPRESSED_OUTPUT) as directory:
-        with pytest.raises(OutputDirectoryError, match=rf"is being written by qmoe_jax process {os.getpid()}"):
-            with locked(directory):
-                pass
+    with (
+        claimed(str(tmp_path / "out"), COMPRESSED_OUTPUT) as directory,
+        pytest.raises(
+            OutputDirectoryError, match=rf"is being written by qmoe_jax process {os.getpid()}"
+        ),
+        locked(directory),
+    ):
+        pass
     with locked(str(tmp_path / "out")):  # released at the end of the run
         pass
 

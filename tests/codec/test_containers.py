@@ -31,7 +31,9 @@ def test_bits_per_weight_of_a_stack_ignores_padding(dictionary):
     encoded = encode_experts(codes, np.zeros((3, 10, 2), ml_dtypes.bfloat16), dictionary)
     used = encoded.row_offsets[:, -1].astype(np.int64)
     assert encoded.codes.shape == (3, used.max()) and used[1] < used.max()
-    assert encoded.bits_per_weight() == pytest.approx((16 * used.sum() + 64 * 3 * 10) / (3 * 10 * 200))
+    assert encoded.bits_per_weight() == pytest.approx(
+        (16 * used.sum() + 64 * 3 * 10) / (3 * 10 * 200)
+    )
     per_expert = [encoded[e].bits_per_weight() for e in range(3)]
     assert encoded.bits_per_weight() == pytest.approx(np.mean(per_expert))
 
@@ -48,7 +50,9 @@ def test_expert_indexing_and_shapes(dictionary):
 
 def test_pytree_keeps_cols_static(dictionary):
     encoded = encode(
-        ternary(np.random.default_rng(3), (5, 17), 0.9), np.zeros((5, 2), ml_dtypes.bfloat16), dictionary
+        ternary(np.random.default_rng(3), (5, 17), 0.9),
+        np.zeros((5, 2), ml_dtypes.bfloat16),
+        dictionary,
     )
     leaves, treedef = jax.tree_util.tree_flatten(encoded)
     assert len(leaves) == 3

@@ -105,7 +105,9 @@ def test_experts_equal_stack_of_matrices(dictionary, threads):
     codes[2] = 0
     minmax = minmax_for((5, 41, 2))
     stacked = encode_experts(codes, minmax, dictionary, num_threads=threads)
-    one_by_one = CompressedExperts.stack([encode(codes[e], minmax[e], dictionary) for e in range(5)])
+    one_by_one = CompressedExperts.stack(
+        [encode(codes[e], minmax[e], dictionary) for e in range(5)]
+    )
     np.testing.assert_array_equal(stacked.codes, np.asarray(one_by_one.codes))
     np.testing.assert_array_equal(stacked.row_offsets, np.asarray(one_by_one.row_offsets))
     np.testing.assert_array_equal(stacked.minmax, np.asarray(one_by_one.minmax))
@@ -127,7 +129,8 @@ def test_noncontiguous_input(dictionary):
 
 
 def test_dictionary_that_is_not_prefix_closed(dictionary):
-    """The walk stops at the first missing prefix, and a later duplicate wins, as in the reference."""
+    """The walk stops at the first missing prefix, and a later duplicate wins, as in the
+    reference."""
     weights, pair_count = entry_weights(dictionary.entries)
     entries = dictionary.entries.copy()
     # Overwrite every 2-pair entry that starts with a zero pair by a copy of an
@@ -136,7 +139,9 @@ def test_dictionary_that_is_not_prefix_closed(dictionary):
     two_pairs = np.flatnonzero((pair_count == 2) & (weights[:, 0] == 0) & (weights[:, 1] == 0))
     entries[two_pairs] = entries[-len(two_pairs) :]
     # And drop the one-pair entry (2, 2): rows that must restart on it fail.
-    single_22 = int(np.flatnonzero((pair_count == 1) & (weights[:, 0] == 2) & (weights[:, 1] == 2))[0])
+    single_22 = int(
+        np.flatnonzero((pair_count == 1) & (weights[:, 0] == 2) & (weights[:, 1] == 2))[0]
+    )
     entries[single_22] = entries[-1]
     holey = Dictionary.from_entries(entries, 0.885)
     # A codeword may start with (2, 2) when it grows into an entry ...
@@ -176,7 +181,12 @@ def test_value_outside_ternary_names_its_place(dictionary):
     "codes, minmax, error, message",
     [
         (np.zeros((2, 4), np.int32), np.zeros((2, 2), ml_dtypes.bfloat16), TypeError, "uint8"),
-        (np.zeros(8, np.uint8), np.zeros((2, 2), ml_dtypes.bfloat16), ValueError, r"\[rows, cols\]"),
+        (
+            np.zeros(8, np.uint8),
+            np.zeros((2, 2), ml_dtypes.bfloat16),
+            ValueError,
+            r"\[rows, cols\]",
+        ),
         (np.zeros((2, 4), np.uint8), np.zeros((2, 2), np.float32), TypeError, "bfloat16"),
         (np.zeros((2, 4), np.uint8), np.zeros((3, 2), ml_dtypes.bfloat16), ValueError, r"\(2, 2\)"),
     ],
@@ -194,10 +204,15 @@ def test_bad_expert_input(dictionary):
             np.zeros((0, 2, 4), np.uint8), np.zeros((0, 2, 2), ml_dtypes.bfloat16), dictionary
         )
     with pytest.raises(ValueError, match=r"\(2, 3, 2\)"):
-        encode_experts(np.zeros((2, 3, 4), np.uint8), np.zeros((3, 2), ml_dtypes.bfloat16), dictionary)
+        encode_experts(
+            np.zeros((2, 3, 4), np.uint8), np.zeros((3, 2), ml_dtypes.bfloat16), dictionary
+        )
     with pytest.raises(ValueError, match="num_threads"):
         encode(
-            np.zeros((2, 4), np.uint8), np.zeros((2, 2), ml_dtypes.bfloat16), dictionary, num_threads=0
+            np.zeros((2, 4), np.uint8),
+            np.zeros((2, 2), ml_dtypes.bfloat16),
+            dictionary,
+            num_threads=0,
         )
 
 

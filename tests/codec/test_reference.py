@@ -32,7 +32,9 @@ def test_reference_round_trip(dictionary, rows, cols, p0, seed):
     np.testing.assert_array_equal(decode_codes(encoded, dictionary), codes)
 
 
-@pytest.mark.parametrize("rows, cols, p0", [(1, 1, 0.5), (3, 57, 0.885), (4, 64, 0.0), (2, 301, 1.0)])
+@pytest.mark.parametrize(
+    "rows, cols, p0", [(1, 1, 0.5), (3, 57, 0.885), (4, 64, 0.0), (2, 301, 1.0)]
+)
 def test_jnp_decoder_matches_numpy(dictionary, rows, cols, p0):
     codes = ternary(np.random.default_rng(rows), (rows, cols), p0)
     encoded = encode_reference(codes, np.zeros((rows, 2), ml_dtypes.bfloat16), dictionary)
@@ -50,7 +52,8 @@ def test_decode_stack(dictionary):
 
 
 def test_jnp_decoder_drops_weights_outside_rows(dictionary):
-    # Entry 11 is 12 zero pairs; a stream claiming it for a 4-weight row must not write past the row.
+    # Entry 11 is 12 zero pairs; a stream claiming it for a 4-weight row must not write past the
+    # row.
     garbage = CompressedMatrix(
         np.array([53, 11, 11], np.uint16),
         np.array([0, 2, 3], np.int32),

@@ -1,4 +1,5 @@
-"""Checking code streams and counting zeros without decoding (codec/streams.py) against the reference decoder."""
+"""Checking code streams and counting zeros without decoding (codec/streams.py) against the
+reference decoder."""
 
 import ml_dtypes
 import numpy as np
@@ -20,8 +21,12 @@ def test_zero_count_equals_decoding(dictionary, cols):
     decoded = decode_codes(matrix, dictionary)
     levels = np.concatenate([np.zeros((12, 1)), np.asarray(minmax, np.float32)], 1)
     values = np.take_along_axis(levels, decoded.astype(np.int64), 1)
-    padded = np.concatenate([np.asarray(matrix.codes), np.zeros(3, np.uint16)])  # padding is ignored
-    assert count_zeros(padded, np.asarray(matrix.row_offsets), minmax, cols, dictionary) == int((values == 0).sum())
+    padded = np.concatenate(
+        [np.asarray(matrix.codes), np.zeros(3, np.uint16)]
+    )  # padding is ignored
+    assert count_zeros(padded, np.asarray(matrix.row_offsets), minmax, cols, dictionary) == int(
+        (values == 0).sum()
+    )
 
 
 def test_malformed_streams_name_the_row(dictionary):
@@ -30,7 +35,9 @@ def test_malformed_streams_name_the_row(dictionary):
     matrix = encode(codes, minmax, dictionary)
     stream, offsets = np.asarray(matrix.codes), np.asarray(matrix.row_offsets)
     with pytest.raises(ValueError, match="row 0 decodes to"):
-        count_zeros(stream, np.array([0, 0, offsets[2], offsets[3]], np.int32), minmax, 40, dictionary)
+        count_zeros(
+            stream, np.array([0, 0, offsets[2], offsets[3]], np.int32), minmax, 40, dictionary
+        )
     with pytest.raises(ValueError, match="end within the"):
         count_zeros(stream[:-1], offsets, minmax, 40, dictionary)
     with pytest.raises(ValueError, match="never decrease"):

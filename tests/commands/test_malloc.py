@@ -1,4 +1,5 @@
-"""qmoe_jax.malloc: when the compression CLI re-executes itself with glibc's huge-page tunable, and that it does."""
+"""qmoe_jax.malloc: when the compression CLI re-executes itself with glibc's huge-page tunable, and
+that it does."""
 
 import platform
 import sys
@@ -9,35 +10,56 @@ from helpers.child_process import run_python
 from qmoe_jax import malloc
 
 GLIBC = ("glibc", "2.36")
-HOST_QUALIFIES = (sys.platform == "linux" and malloc.huge_page_decision({}, platform.libc_ver(), malloc.thp_mode())[0])
+HOST_QUALIFIES = (
+    sys.platform == "linux"
+    and malloc.huge_page_decision({}, platform.libc_ver(), malloc.thp_mode())[0]
+)
 
 
-@pytest.mark.parametrize(("environ", "libc", "mode", "wanted", "says"), [
-    ({}, GLIBC, "madvise", True, "on (GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
-    ({}, ("glibc", "2.35"), "madvise", True, "on"),
-    ({}, GLIBC, "always", False, "not needed (transparent huge pages: always)"),
-    ({}, GLIBC, "never", False, "not needed (transparent huge pages: never)"),
-    ({}, GLIBC, None, False, "not needed (transparent huge pages: unknown)"),
-    ({}, ("glibc", "2.31"), "madvise", False, "glibc 2.31 has no glibc.malloc.hugetlb; it needs 2.35"),
-    ({}, ("", ""), "madvise", False, "off (not glibc)"),
-    ({}, ("musl", "1.2"), "madvise", False, "off (not glibc)"),
-    ({"QMOE_JAX_HUGE_PAGES": "0"}, GLIBC, "madvise", False, "off (QMOE_JAX_HUGE_PAGES=0)"),
-    ({"QMOE_JAX_HUGE_PAGES": "1"}, GLIBC, "madvise", True, "on"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, GLIBC, "madvise", False, "as set in GLIBC_TUNABLES"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, GLIBC, "madvise", True, "on"),
-])
+@pytest.mark.parametrize(
+    ("environ", "libc", "mode", "wanted", "says"),
+    [
+        ({}, GLIBC, "madvise", True, "on (GLIBC_TUNABLES=glibc.malloc.hugetlb=1"),
+        ({}, ("glibc", "2.35"), "madvise", True, "on"),
+        ({}, GLIBC, "always", False, "not needed (transparent huge pages: always)"),
+        ({}, GLIBC, "never", False, "not needed (transparent huge pages: never)"),
+        ({}, GLIBC, None, False, "not needed (transparent huge pages: unknown)"),
+        (
+            {},
+            ("glibc", "2.31"),
+            "madvise",
+            False,
+            "glibc 2.31 has no glibc.malloc.hugetlb; it needs 2.35",
+        ),
+        ({}, ("", ""), "madvise", False, "off (not glibc)"),
+        ({}, ("musl", "1.2"), "madvise", False, "off (not glibc)"),
+        ({"QMOE_JAX_HUGE_PAGES": "0"}, GLIBC, "madvise", False, "off (QMOE_JAX_HUGE_PAGES=0)"),
+        ({"QMOE_JAX_HUGE_PAGES": "1"}, GLIBC, "madvise", True, "on"),
+        (
+            {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"},
+            GLIBC,
+            "madvise",
+            False,
+            "as set in GLIBC_TUNABLES",
+        ),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, GLIBC, "madvise", True, "on"),
+    ],
+)
 def test_decision(environ, libc, mode, wanted, says):
     decided, reason = malloc.huge_page_decision(environ, libc, mode)
     assert decided == wanted
     assert says in reason
 
 
-@pytest.mark.parametrize(("before", "after"), [
-    (None, "glibc.malloc.hugetlb=1"),
-    ("", "glibc.malloc.hugetlb=1"),
-    ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
-    ("glibc.malloc.arena_max=2:", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
-])
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        (None, "glibc.malloc.hugetlb=1"),
+        ("", "glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.arena_max=2", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+        ("glibc.malloc.arena_max=2:", "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
+    ],
+)
 def test_environment_appends_the_tunable(before, after):
     environ = {"PATH": "/bin"} if before is None else {"PATH": "/bin", "GLIBC_TUNABLES": before}
     tuned = malloc.huge_page_environment(environ)
@@ -45,12 +67,15 @@ def test_environment_appends_the_tunable(before, after):
     assert malloc.huge_page_decision(tuned, GLIBC, "madvise")[0] is False  # never twice
 
 
-@pytest.mark.parametrize(("text", "mode"), [
-    ("always [madvise] never\n", "madvise"),
-    ("[always] madvise never\n", "always"),
-    ("always madvise [never]\n", "never"),
-    ("garbage\n", None),
-])
+@pytest.mark.parametrize(
+    ("text", "mode"),
+    [
+        ("always [madvise] never\n", "madvise"),
+        ("[always] madvise never\n", "always"),
+        ("always madvise [never]\n", "never"),
+        ("garbage\n", None),
+    ],
+)
 def test_thp_mode(tmp_path, text, mode):
     path = tmp_path / "enabled"
     path.write_text(text)
@@ -67,18 +92,28 @@ def test_only_the_command_line_entry_reexecutes(monkeypatch, tmp_path):
     monkeypatch.setattr(sys, "orig_argv", ["python", str(script), "--repeats", "2"])
     assert malloc._started_as(str(script))
     assert not malloc._started_as("qmoe_jax.compress")
-    monkeypatch.setattr(sys, "orig_argv", ["python", "-m", "pytest", "tests"])  # runpy in another program
+    monkeypatch.setattr(
+        sys, "orig_argv", ["python", "-m", "pytest", "tests"]
+    )  # runpy in another program
     called = []
     monkeypatch.setattr(malloc.os, "execve", lambda *args: called.append(args))
     malloc.reexec_with_huge_pages("qmoe_jax.compress")
     assert called == []
 
 
-@pytest.mark.skipif(not HOST_QUALIFIES, reason="needs Linux, glibc >= 2.35 and transparent huge pages in madvise mode")
+@pytest.mark.skipif(
+    not HOST_QUALIFIES,
+    reason="needs Linux, glibc >= 2.35 and transparent huge pages in madvise mode",
+)
 def test_command_reexecutes_with_huge_pages():
-    completed = run_python(["-m", "qmoe_jax.malloc"], timeout=120, GLIBC_TUNABLES="glibc.malloc.arena_max=2")
+    completed = run_python(
+        ["-m", "qmoe_jax.malloc"], timeout=120, GLIBC_TUNABLES="glibc.malloc.arena_max=2"
+    )
     assert completed.returncode == 0, completed.stderr
-    assert "malloc huge pages: on (GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1" in completed.stdout
+    assert (
+        "malloc huge pages: on (GLIBC_TUNABLES=glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+        in completed.stdout
+    )
 
     opted_out = run_python(["-m", "qmoe_jax.malloc"], timeout=120, QMOE_JAX_HUGE_PAGES="0")
     assert "malloc huge pages: off (QMOE_JAX_HUGE_PAGES=0)" in opted_out.stdout

@@ -26,9 +26,13 @@ from qmoe_jax.models.configs import resolve_config
 
 @pytest.mark.slow
 def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
-    report = compress_checkpoint(options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False,
-                                 config=TINY)
-    assert [layer["name"] for layer in report["layers"]] == ["encoder.layers_1.mlp", "decoder.layers_1.mlp"]
+    report = compress_checkpoint(
+        options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False, config=TINY
+    )
+    assert [layer["name"] for layer in report["layers"]] == [
+        "encoder.layers_1.mlp",
+        "decoder.layers_1.mlp",
+    ]
     for layer in report["layers"]:
         assert 0.3 < layer["zero_fraction"] < 1.0
         assert layer["bits_per_weight"] > 0 and layer["tokens_per_expert"]["max"] > 0
@@ -41,7 +45,9 @@ def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
     phases = ("data", "read", "dense", "hessian", "gptq", "encode", "forward", "write")
     assert all(seconds[phase] > 0 for phase in phases), seconds
     assert seconds["replay"] == 0 and sum(seconds[phase] for phase in phases) <= seconds["total"]
-    assert seconds["read"] > sum(layer["seconds"]["read"] for layer in saved["layers"])  # + non-expert weights
+    assert seconds["read"] > sum(
+        layer["seconds"]["read"] for layer in saved["layers"]
+    )  # + non-expert weights
 
     model = load_compressed_model(str(tmp_path / "out"))
     wi = np.asarray(model.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]["kernel"])
@@ -50,7 +56,9 @@ def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
         assert max(len(np.unique(column)) for column in expert.T) <= 3
     tokens = np.arange(2, 34, dtype=np.int32).reshape(2, 16)
     example = [(tokens[0], tokens[1]), (tokens[1], tokens[0])]
-    assert np.isfinite(mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2))
+    assert np.isfinite(
+        mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2)
+    )
 
 
 def test_report_output_error_shows_gptq_fitting_its_hessian_positions(tiny_setup, tmp_path):
@@ -59,7 +67,10 @@ def test_report_output_error_shows_gptq_fitting_its_hessian_positions(tiny_setup
     gptq = compress_checkpoint(options(tiny_setup, tmp_path / "gptq"), **quiet)
     for rtn_layer, gptq_layer in zip(rtn["layers"], gptq["layers"]):
         fitted, rounded = gptq_layer["output_error"], rtn_layer["output_error"]
-        assert 0 < fitted["hessian_positions"] < 0.7 * rounded["hessian_positions"], (fitted, rounded)
+        assert 0 < fitted["hessian_positions"] < 0.7 * rounded["hessian_positions"], (
+            fitted,
+            rounded,
+        )
     encoder, decoder = (layer["output_error"] for layer in gptq["layers"])
     assert encoder["premasked_positions"] > 0  # the default premask drops encoder sentinels only
     assert decoder["premasked_positions"] is None
@@ -68,14 +79,31 @@ def test_report_output_error_shows_gptq_fitting_its_hessian_positions(tiny_setup
 
 @pytest.mark.slow
 def test_rtn_and_kbit(tiny_setup, tmp_path):
-    rtn = compress_checkpoint(options(tiny_setup, tmp_path / "rtn", method="rtn"), log=lambda _: None,
-                              progress=False, config=TINY)
+    rtn = compress_checkpoint(
+        options(tiny_setup, tmp_path / "rtn", method="rtn"),
+        log=lambda _: None,
+        progress=False,
+        config=TINY,
+    )
     assert all(layer["fallback_experts"] == 0 for layer in rtn["layers"])
-    two_bit = compress_checkpoint(options(tiny_setup, tmp_path / "2bit", grid="2bit"), log=lambda _: None,
-                                  progress=False, config=TINY)
-    assert all(abs(layer["bits_per_weight"] - (2 + 64 / layer["kernels"]["wi"]["cols"] / 2
-                                              + 64 / layer["kernels"]["wo"]["cols"] / 2)) < 1e-9
-               for layer in two_bit["layers"])
+    two_bit = compress_checkpoint(
+        options(tiny_setup, tmp_path / "2bit", grid="2bit"),
+        log=lambda _: None,
+        progress=False,
+        config=TINY,
+    )
+    assert all(
+        abs(
+            layer["bits_per_weight"]
+            - (
+                2
+                + 64 / layer["kernels"]["wi"]["cols"] / 2
+                + 64 / layer["kernels"]["wo"]["cols"] / 2
+            )
+        )
+        < 1e-9
+        for layer in two_bit["layers"]
+    )
     model = load_compressed_model(str(tmp_path / "2bit"))
     wo = np.asarray(model.params["decoder"]["layers_1"]["mlp"]["expert"]["wo"]["kernel"])
     assert max(len(np.unique(column)) for expert in wo for column in expert.T) <= 4
@@ -137,10 +165,15 @@ def test_four_devices_give_the_same_codes(tiny_setup, tmp_path):
 
 @pytest.mark.slow
 def test_fused_kernels_run_the_compressed_model(tiny_setup, tmp_path):
-    compress_checkpoint(options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False, config=TINY)
+    compress_checkpoint(
+        options(tiny_setup, tmp_path / "out"), log=lambda _: None, progress=False, config=TINY
+    )
     dense = load_compressed_model(str(tmp_path / "out"))
     fused = load_compressed_model(str(tmp_path / "out"), experts="compressed")
-    assert type(fused.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]).__name__ == "CompressedExperts"
+    assert (
+        type(fused.params["encoder"]["layers_1"]["mlp"]["expert"]["wi"]).__name__
+        == "CompressedExperts"
+    )
     tokens = np.arange(3, 35, dtype=np.int32).reshape(2, 16)
     args = (tokens, tokens[:, ::-1].copy(), tokens)
     expected = dense.module().apply({"params": dense.params}, *args)
@@ -163,7 +196,9 @@ def test_true_sequential_and_act_order_change_only_what_they_should(tiny_setup, 
     model = load_compressed_model(str(tmp_path / "seq"))
     tokens = np.arange(2, 34, dtype=np.int32).reshape(2, 16)
     example = [(tokens[0], tokens[1]), (tokens[1], tokens[0])]
-    assert np.isfinite(mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2))
+    assert np.isfinite(
+        mean_cross_entropy(SwitchTransformer(TINY), model.params, example, batch_size=2)
+    )
 
 
 def test_premask_changes_only_the_decoder_hessians(tiny_setup, tmp_path):
@@ -171,14 +206,28 @@ def test_premask_changes_only_the_decoder_hessians(tiny_setup, tmp_path):
     compress_checkpoint(options(tiny_setup, tmp_path / "encoder"), **quiet)
     compress_checkpoint(options(tiny_setup, tmp_path / "qmoe", premask="encoder_decoder"), **quiet)
     default, qmoe = all_arrays(str(tmp_path / "encoder")), all_arrays(str(tmp_path / "qmoe"))
-    for kernel in ("wi", "wo"):  # the encoder masks are the same; QMoE's also drops decoder positions
-        np.testing.assert_array_equal(default["encoder.layers_1.mlp"][kernel]["codes"],
-                                      qmoe["encoder.layers_1.mlp"][kernel]["codes"])
-    assert not np.array_equal(default["decoder.layers_1.mlp"]["wi"]["codes"], qmoe["decoder.layers_1.mlp"]["wi"]["codes"])
+    for kernel in (
+        "wi",
+        "wo",
+    ):  # the encoder masks are the same; QMoE's also drops decoder positions
+        np.testing.assert_array_equal(
+            default["encoder.layers_1.mlp"][kernel]["codes"],
+            qmoe["encoder.layers_1.mlp"][kernel]["codes"],
+        )
+    assert not np.array_equal(
+        default["decoder.layers_1.mlp"]["wi"]["codes"], qmoe["decoder.layers_1.mlp"]["wi"]["codes"]
+    )
     checkpoint = CompressedCheckpoint(str(tmp_path / "qmoe"))
     assert checkpoint.header["settings"]["premask"] == "encoder_decoder"
-    assert checkpoint.manifest["layers"]["decoder.layers_1.mlp"]["stats"]["output_error"]["premasked_positions"] > 0
-    with pytest.raises(ValueError, match="unknown premask 'all'; choose one of encoder, encoder_decoder, none"):
+    assert (
+        checkpoint.manifest["layers"]["decoder.layers_1.mlp"]["stats"]["output_error"][
+            "premasked_positions"
+        ]
+        > 0
+    )
+    with pytest.raises(
+        ValueError, match="unknown premask 'all'; choose one of encoder, encoder_decoder, none"
+    ):
         options(tiny_setup, tmp_path / "bad", premask="all")
 
 
@@ -202,7 +251,8 @@ def test_resolve_config_reads_names_and_json_files(tmp_path):
 
 
 def test_cli_compresses_c4_text_and_scores_both_models(tiny_setup, tmp_path, capsys):
-    """The CLI's own path: flags -> options -> config from a JSON file -> C4 shards -> report with both losses."""
+    """The CLI's own path: flags -> options -> config from a JSON file -> C4 shards -> report with
+    both losses."""
     checkpoint, _, tokenizer = tiny_setup
     config_path = tmp_path / "tiny.json"
     config_path.write_text(json.dumps(dataclasses.asdict(TINY)))
@@ -211,9 +261,30 @@ def test_cli_compresses_c4_text_and_scores_both_models(tiny_setup, tmp_path, cap
     write_c4_shard(c4 / "c4-train.00000-of-00002.json.gz", synthetic_sentences(300, seed=3))
     write_c4_shard(c4 / "c4-validation.00000-of-00001.json.gz", synthetic_sentences(100, seed=4))
     output = tmp_path / "out"
-    compress.main(["--checkpoint", checkpoint, "--config", str(config_path), "--tokenizer", tokenizer,
-                   "--calibration", f"c4:{c4}", "--num_samples", "16", "--inputs_length", "32", "--batch_size", "8",
-                   "--group_size", "2", "--eval_examples", "12", "--output_dir", str(output)])
+    compress.main(
+        [
+            "--checkpoint",
+            checkpoint,
+            "--config",
+            str(config_path),
+            "--tokenizer",
+            tokenizer,
+            "--calibration",
+            f"c4:{c4}",
+            "--num_samples",
+            "16",
+            "--inputs_length",
+            "32",
+            "--batch_size",
+            "8",
+            "--group_size",
+            "2",
+            "--eval_examples",
+            "12",
+            "--output_dir",
+            str(output),
+        ]
+    )
     printed = capsys.readouterr().out
     report = json.loads((output / "report.json").read_text())
     evaluation = report["evaluation"]
@@ -223,24 +294,40 @@ def test_cli_compresses_c4_text_and_scores_both_models(tiny_setup, tmp_path, cap
     assert f"original {evaluation['original_loss']:.4f}" in printed
     assert f"python -m qmoe_jax.evaluate --checkpoint {output}" in printed
     assert f"python -m qmoe_jax.generate --checkpoint {output}" in printed
-    assert report["settings"]["calibration"] == f"c4:{c4}" and report["grid"] == {"kind": "ternary", "bits": None}
+    assert report["settings"]["calibration"] == f"c4:{c4}" and report["grid"] == {
+        "kind": "ternary",
+        "bits": None,
+    }
 
 
 def test_header_records_every_setting_that_changes_the_output():
     recorded = set(CompressionOptions().header_settings())
     assert recorded == {field.name for field in dataclasses.fields(CompressionOptions)} - {
-        "checkpoint", "config", "output_dir", "eval_examples", "eval_data", "nonfinite", "verify"}
+        "checkpoint",
+        "config",
+        "output_dir",
+        "eval_examples",
+        "eval_data",
+        "nonfinite",
+        "verify",
+    }
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--group_size", "0"], "group_size must be at least 1"),
-    (["--batch_size", "0"], "batch_size must be at least 1"),
-    (["--damping", "0"], "damping must be > 0"),
-    (["--eval_examples", "5", "--calibration", "text:*.txt"], "needs validation text"),
-    (["--eval_data", "c5:/data"], "eval_data must be 'bundled' or 'c4:<dir or glob>', got 'c5:/data'"),
-    (["--config", "switch-base-9"], "unknown SwitchTransformer config 'switch-base-9'"),
-    (["--nonfinite", "drop"], "argument --nonfinite: invalid choice: 'drop'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--group_size", "0"], "group_size must be at least 1"),
+        (["--batch_size", "0"], "batch_size must be at least 1"),
+        (["--damping", "0"], "damping must be > 0"),
+        (["--eval_examples", "5", "--calibration", "text:*.txt"], "needs validation text"),
+        (
+            ["--eval_data", "c5:/data"],
+            "eval_data must be 'bundled' or 'c4:<dir or glob>', got 'c5:/data'",
+        ),
+        (["--config", "switch-base-9"], "unknown SwitchTransformer config 'switch-base-9'"),
+        (["--nonfinite", "drop"], "argument --nonfinite: invalid choice: 'drop'"),
+    ],
+)
 def test_cli_rejects_bad_flags_before_any_work(flags, message, capsys):
     with pytest.raises(SystemExit) as exited:
         compress.parse_options(flags)

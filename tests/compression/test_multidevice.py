@@ -1,9 +1,12 @@
-"""Compression sharded over several host devices: it finishes, and its codes are the one-device codes.
+"""Compression sharded over several host devices: it finishes, and its codes are the one-device
+  codes.
 
-Each multi-device run is a child process (the device count is fixed when jax starts) under a watchdog:
-batched LAPACK Cholesky kernels used to deadlock XLA's intra-op thread pool there (issue 18), so a
-regression shows up as a child that never returns. The pool has a thread per CPU, and the deadlock needs
-no more threads than devices: the hang check pins its child to 2 CPUs so that it bites on any machine.
+Each multi-device run is a child process (the device count is fixed when jax starts) under a
+watchdog: batched LAPACK Cholesky kernels used to deadlock XLA's intra-op thread pool there (issue
+18), so a regression shows up as a child that never returns. The pool has a thread per CPU, and the
+deadlock needs
+no more threads than devices: the hang check pins its child to 2 CPUs so that it bites on any
+  machine.
 """
 
 import json
@@ -21,13 +24,22 @@ from qmoe_jax.quant import GridConfig, quantize_expert_group
 WATCHDOG_SECONDS = 600
 
 
-def run_on_devices(devices: int, args: list[str], watchdog: float = WATCHDOG_SECONDS) -> subprocess.CompletedProcess:
-    """`python *args` in a child with ``devices`` host devices; fails the test if it outlives the watchdog."""
+def run_on_devices(
+    devices: int, args: list[str], watchdog: float = WATCHDOG_SECONDS
+) -> subprocess.CompletedProcess:
+    """`python *args` in a child with ``devices`` host devices; fails the test if it outlives the
+    watchdog."""
     try:
-        completed = run_python(args, timeout=watchdog, JAX_PLATFORMS="cpu",
-                               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+        completed = run_python(
+            args,
+            timeout=watchdog,
+            JAX_PLATFORMS="cpu",
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        )
     except subprocess.TimeoutExpired:
-        pytest.fail(f"{devices}-device child still running after {watchdog} s: sharded compression hangs")
+        pytest.fail(
+            f"{devices}-device child still running after {watchdog} s: sharded compression hangs"
+        )
     assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-3000:]
     return completed
 
@@ -43,9 +55,12 @@ HANG_SCRIPT = textwrap.dedent("""
 
     spec = PartitionSpec("expert")
     mesh = Mesh(np.asarray(jax.devices()), ("expert",))
-    # A matmul first: the program then continues on intra-op pool threads, where LAPACK's batch tasks starved.
-    factors = jax.jit(jax.shard_map(lambda x: jax.vmap(hessian_factor)(x.mT @ x), mesh=mesh, in_specs=spec,
-                                    out_specs=spec))
+    # A matmul first: the program then continues on intra-op pool threads, where LAPACK's batch
+    # tasks starved.
+    def factor(x):
+        return jax.vmap(hessian_factor)(x.mT @ x)
+
+    factors = jax.jit(jax.shard_map(factor, mesh=mesh, in_specs=spec, out_specs=spec))
     inputs = jax.random.normal(jax.random.key(0), (8, 512, 256))
     for _ in range(20):  # with LAPACK, one call hung about every other time
         assert np.isfinite(np.asarray(factors(inputs))).all()
@@ -65,7 +80,8 @@ SHARDED_GROUPS_SCRIPT = textwrap.dedent("""
     out = {{}}
     for name, group in bundled_size_groups().items():
         for devices in {devices}:
-            result = quantize_expert_group(*group, GridConfig(), mesh=expert_mesh(jax.devices()[:devices]))
+            mesh = expert_mesh(jax.devices()[:devices])
+            result = quantize_expert_group(*group, GridConfig(), mesh=mesh)
             for field, value in result._asdict().items():
                 out[f"{{name}}/{{devices}}/{{field}}"] = np.asarray(value, np.float32)
     np.savez({path!r}, **out)
@@ -79,25 +95,35 @@ def test_bundled_size_layer_on_two_and_four_devices_gives_the_one_device_codes(t
     sharded = np.load(path)
     for name, group in bundled_size_groups().items():
         reference = quantize_expert_group(*group, GridConfig())
-        np.testing.assert_array_equal(np.asarray(reference.fallback), [False, True, True] + [False] * 5, err_msg=name)
+        np.testing.assert_array_equal(
+            np.asarray(reference.fallback), [False, True, True] + [False] * 5, err_msg=name
+        )
         for devices in (2, 4):
             for field in ("codes", "grid_params", "fallback"):
-                np.testing.assert_array_equal(sharded[f"{name}/{devices}/{field}"],
-                                              np.asarray(getattr(reference, field), np.float32),
-                                              err_msg=f"{name} on {devices} devices: {field}")
-            # The loss is a diagnostic: equal up to float rounding (XLA may fuse its sums into FMAs per program).
-            np.testing.assert_allclose(sharded[f"{name}/{devices}/loss"], np.asarray(reference.loss), rtol=1e-6)
+                np.testing.assert_array_equal(
+                    sharded[f"{name}/{devices}/{field}"],
+                    np.asarray(getattr(reference, field), np.float32),
+                    err_msg=f"{name} on {devices} devices: {field}",
+                )
+            # The loss is a diagnostic: equal up to float rounding (XLA may fuse its sums into FMAs
+            # per program).
+            np.testing.assert_allclose(
+                sharded[f"{name}/{devices}/loss"], np.asarray(reference.loss), rtol=1e-6
+            )
 
 
 def compressed_checksums(devices: int, output_dir: str) -> dict[str, str]:
-    """SHA-256 of every array of the bundled model compressed by the CLI on ``devices`` host devices."""
+    """SHA-256 of every array of the bundled model compressed by the CLI on ``devices`` host
+    devices."""
     completed = run_on_devices(devices, ["-m", "qmoe_jax.compress", "--output_dir", output_dir])
     assert f"{devices} device(s)" in completed.stdout, completed.stdout[-2000:]
     with open(os.path.join(output_dir, "manifest.json")) as f:
         manifest = json.load(f)
     checksums = {f"dense/{path}": digest for path, digest in manifest["dense"]["checksums"].items()}
     for layer, record in manifest["layers"].items():
-        checksums.update({f"{layer}/{path}": digest for path, digest in record["checksums"].items()})
+        checksums.update(
+            {f"{layer}/{path}": digest for path, digest in record["checksums"].items()}
+        )
     return checksums
 
 
@@ -108,7 +134,11 @@ def one_device_checksums(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("devices", [2, 4])
-def test_cli_on_several_devices_writes_the_one_device_checkpoint(devices, one_device_checksums, tmp_path):
+def test_cli_on_several_devices_writes_the_one_device_checkpoint(
+    devices, one_device_checksums, tmp_path
+):
     checksums = compressed_checksums(devices, str(tmp_path / f"{devices}_devices"))
     assert len(checksums) == len(one_device_checksums) > 8
-    assert [path for path in one_device_checksums if checksums.get(path) != one_device_checksums[path]] == []
+    assert [
+        path for path in one_device_checksums if checksums.get(path) != one_device_checksums[path]
+    ] == []

@@ -41,7 +41,10 @@ def test_c4_errors(tmp_path):
 def test_text_files(tmp_path):
     (tmp_path / "a.txt").write_text("one\ntwo\n\nthree\n")
     assert list(text_file_documents([str(tmp_path / "a.txt")])) == ["one\ntwo\n\nthree\n"]
-    assert list(text_file_documents([str(tmp_path / "a.txt")], unit="paragraph")) == ["one\ntwo", "three"]
+    assert list(text_file_documents([str(tmp_path / "a.txt")], unit="paragraph")) == [
+        "one\ntwo",
+        "three",
+    ]
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         list(text_file_documents([str(tmp_path / "missing.txt")]))
     with pytest.raises(TypeError, match="document 1"):
@@ -54,8 +57,14 @@ def test_tokenizer_sentinels(tiny_tokenizer):
     assert tok.sentinel(0) == tok.vocab_size - 1 and tok.sentinel(99) == tok.pieces
     ids = tok.encode("the compressed expert")
     assert tok.decode(ids) == "the compressed expert"
-    assert tok.decode(ids[:1] + [tok.sentinel(3)] + ids[1:] + [EOS_ID, 5]).count("<extra_id_3>") == 1
-    assert tok.is_sentinel(np.array([tok.sentinel(0), tok.pieces - 1, 0])).tolist() == [True, False, False]
+    assert (
+        tok.decode(ids[:1] + [tok.sentinel(3)] + ids[1:] + [EOS_ID, 5]).count("<extra_id_3>") == 1
+    )
+    assert tok.is_sentinel(np.array([tok.sentinel(0), tok.pieces - 1, 0])).tolist() == [
+        True,
+        False,
+        False,
+    ]
     with pytest.raises(ValueError, match="sentinel index"):
         tok.sentinel(100)
 
@@ -65,7 +74,10 @@ def test_tokenizer_rejects_non_t5_layout(tmp_path):
 
     prefix = str(tmp_path / "bos")
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=iter(synthetic_sentences(500)), model_prefix=prefix, vocab_size=40, minloglevel=2
+        sentence_iterator=iter(synthetic_sentences(500)),
+        model_prefix=prefix,
+        vocab_size=40,
+        minloglevel=2,
     )
     with pytest.raises(ValueError, match="pad=0, eos=1, unk=2"):
         Tokenizer(prefix + ".model")
@@ -76,14 +88,20 @@ def test_concat_chunks_cover_all_tokens(tiny_tokenizer):
     config = SpanCorruptionConfig(inputs_length=32)
     tokens_length, _ = config.lengths
     chunks = list(token_chunks(docs, tiny_tokenizer, config))
-    assert all(c.size == tokens_length for c in chunks[:-1]) and 0 < chunks[-1].size <= tokens_length
+    assert (
+        all(c.size == tokens_length for c in chunks[:-1]) and 0 < chunks[-1].size <= tokens_length
+    )
     all_ids = [i for d in docs for i in tiny_tokenizer.encode(d)]
     assert np.concatenate(chunks).tolist() == all_ids
 
 
 def test_document_packing_skips_long_documents(tiny_tokenizer):
     docs = ["the model", " ".join(["weight"] * 200)]
-    chunks = list(token_chunks(docs, tiny_tokenizer, SpanCorruptionConfig(inputs_length=32, packing="document")))
+    chunks = list(
+        token_chunks(
+            docs, tiny_tokenizer, SpanCorruptionConfig(inputs_length=32, packing="document")
+        )
+    )
     assert len(chunks) == 1 and chunks[0].tolist() == tiny_tokenizer.encode("the model")
 
 
@@ -92,7 +110,9 @@ def test_examples_fit_lengths_and_batch(tiny_tokenizer):
     _, targets_length = config.lengths
     examples = list(span_corruption_examples(synthetic_sentences(80), tiny_tokenizer, config))
     assert all(i.size <= 48 and t.size <= targets_length for i, t in examples)
-    assert sum(i.size == 48 for i, _ in examples) >= len(examples) - 1  # full chunks fill the inputs
+    assert (
+        sum(i.size == 48 for i, _ in examples) >= len(examples) - 1
+    )  # full chunks fill the inputs
     batch = batch_examples(examples[:4], 48, targets_length)
     assert batch["encoder_input_tokens"].shape == (4, 48)
     t = batch["decoder_target_tokens"]
@@ -110,7 +130,9 @@ def test_hessian_masks(tiny_tokenizer):
     tok = tiny_tokenizer
     s0, s1 = tok.sentinel(0), tok.sentinel(1)
     batch = batch_examples(
-        [(np.array([5, s0, 6, s1, EOS_ID]), np.array([s0, 7, s1, 8, 9, EOS_ID]))], encoder_length=7, decoder_length=8
+        [(np.array([5, s0, 6, s1, EOS_ID]), np.array([s0, 7, s1, 8, 9, EOS_ID]))],
+        encoder_length=7,
+        decoder_length=8,
     )
     real_encoder = [[True, True, True, True, True, False, False]]
     real_decoder = [[True, True, True, True, True, True, False, False]]
@@ -123,7 +145,9 @@ def test_hessian_masks(tiny_tokenizer):
     assert decoder_mask.tolist() == [[False, True, False, True, True, True, False, False]]
     encoder_mask, decoder_mask = hessian_masks(batch, tok, "none")
     assert encoder_mask.tolist() == real_encoder and decoder_mask.tolist() == real_decoder
-    with pytest.raises(ValueError, match="unknown premask 'decoder'; choose one of encoder, encoder_decoder, none"):
+    with pytest.raises(
+        ValueError, match="unknown premask 'decoder'; choose one of encoder, encoder_decoder, none"
+    ):
         hessian_masks(batch, tok, "decoder")
 
 

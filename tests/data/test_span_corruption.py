@@ -59,7 +59,17 @@ def test_segmentation_is_uniform_over_compositions():
 def test_noise_span_to_unique_sentinel():
     tokens = np.arange(10, 20)
     mask = np.array([0, 0, 1, 1, 0, 0, 0, 1, 0, 1], bool)
-    assert noise_span_to_unique_sentinel(tokens, mask, 99).tolist() == [10, 11, 99, 14, 15, 16, 98, 18, 97]
+    assert noise_span_to_unique_sentinel(tokens, mask, 99).tolist() == [
+        10,
+        11,
+        99,
+        14,
+        15,
+        16,
+        98,
+        18,
+        97,
+    ]
 
 
 @given(length=st.integers(2, 600), seed=st.integers(0, 1000))
@@ -71,7 +81,9 @@ def test_span_corrupt_round_trip(length, seed):
     sentinel_in = inputs[inputs > 30000]
     sentinel_out = targets[targets > 30000]
     # Sentinels appear in order <extra_id_0>, <extra_id_1>, ... on both sides.
-    assert sentinel_in.tolist() == list(range(FIRST_SENTINEL, FIRST_SENTINEL - sentinel_in.size, -1))
+    assert sentinel_in.tolist() == list(
+        range(FIRST_SENTINEL, FIRST_SENTINEL - sentinel_in.size, -1)
+    )
     assert sentinel_in.tolist() == sentinel_out.tolist()
     # Filling each input sentinel with the target span that follows it restores the chunk.
     spans, current = {}, None
@@ -103,5 +115,7 @@ def test_span_corrupt_rejects_empty():
 
 def test_single_token_chunk_is_not_corrupted():
     # As in T5, a 1-token chunk gets no noise: inputs keep it, targets are one sentinel.
-    inputs, targets = span_corrupt(np.asarray([7], np.int32), np.random.default_rng(0), FIRST_SENTINEL)
+    inputs, targets = span_corrupt(
+        np.asarray([7], np.int32), np.random.default_rng(0), FIRST_SENTINEL
+    )
     assert inputs.tolist() == [7, EOS_ID] and targets.tolist() == [FIRST_SENTINEL, EOS_ID]

@@ -1,1 +1,2 @@
-"""Shared test helpers: fixtures, synthetic data and child processes (importable as ``helpers.<module>``)."""
+"""Shared test helpers: fixtures, synthetic data and child processes (importable as
+``helpers.<module>``)."""

@@ -18,7 +18,9 @@ PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(qmoe_jax.__file
 
 def child_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ, **extra)
-    paths = [PACKAGE_PARENT, TESTS_DIR] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [PACKAGE_PARENT, TESTS_DIR] + [
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p
+    ]
     env["PYTHONPATH"] = os.pathsep.join(paths)
     return env
 

@@ -54,10 +54,11 @@ def with_arrays(w: CompressedMatrix, **arrays) -> CompressedMatrix:
 
 
 def garbage_counts(rng, batch: tuple[int, ...]) -> np.ndarray:
-    """int32[batch] token counts for the kernel fuzz programs: 0, small, past N and the int32 extremes, or
+    """int32[batch] token counts for the kernel fuzz programs: 0, small, past N and the int32
+      extremes, or
     (1 in 8) a wrong shape [*batch, 2]."""
     shape = (*batch, 2) if rng.random() < 0.125 else batch
-    values = np.array([-2**31, -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
+    values = np.array([-(2**31), -1, 0, 1, 3, 5, 6, 2**31 - 1], np.int32)
     return rng.choice(values, shape)
 
 
@@ -67,9 +68,9 @@ STREAM_CORRUPTIONS = 4
 
 
 def corrupt_stream(rng, kind: int, codes: np.ndarray, offsets, good_count: int):
-    """Copies of (codes, row offsets) spoiled by garbage ``kind``: 0 random codes; 1 random offsets; 2 sorted
-    random offsets from 0 over random codes; 3 three of the ``good_count`` codes in use flipped. Other kinds:
-    unspoiled copies, drawing nothing from ``rng``."""
+    """Copies of (codes, row offsets) spoiled by garbage ``kind``: 0 random codes; 1 random offsets;
+    2 sorted random offsets from 0 over random codes; 3 three of the ``good_count`` codes in use
+    flipped. Other kinds: unspoiled copies, drawing nothing from ``rng``."""
     codes, offsets = np.asarray(codes).copy(), np.asarray(offsets).copy()
     n_codes, rows = len(codes), len(offsets) - 1
     if kind == 0:

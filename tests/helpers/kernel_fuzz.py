@@ -40,14 +40,30 @@ def run_all(forms, codes, offsets, minmax):
     x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
     g = rng.standard_normal((*batch, 3, rows)).astype(np.float32)
     cases = [
-        ("qmoe_matmul", (x, compressed_data.garbage_counts(rng, batch)),
-         jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32), {}),
-        ("qmoe_matmul", (x[..., :1, :], compressed_data.garbage_counts(rng, batch)),
-         jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32), {}),
-        ("qmoe_matmul_t", (g, compressed_data.garbage_counts(rng, batch)),
-         jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32), {}),
-        ("qmoe_dequantize", (), jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
-         dict(cols=np.int64(cols))),
+        (
+            "qmoe_matmul",
+            (x, compressed_data.garbage_counts(rng, batch)),
+            jax.ShapeDtypeStruct((*batch, 5, rows), jnp.float32),
+            {},
+        ),
+        (
+            "qmoe_matmul",
+            (x[..., :1, :], compressed_data.garbage_counts(rng, batch)),
+            jax.ShapeDtypeStruct((*batch, 1, rows), jnp.float32),
+            {},
+        ),
+        (
+            "qmoe_matmul_t",
+            (g, compressed_data.garbage_counts(rng, batch)),
+            jax.ShapeDtypeStruct((*batch, 3, cols), jnp.float32),
+            {},
+        ),
+        (
+            "qmoe_dequantize",
+            (),
+            jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
+            dict(cols=np.int64(cols)),
+        ),
     ]
     for target, dense, result, attributes in cases:
         try:
@@ -56,6 +72,7 @@ def run_all(forms, codes, offsets, minmax):
         except Exception as error:
             outcomes["error"] += 1
             messages.add(str(error).splitlines()[0][:80])
+
 
 # Short rows, and long ones (about 70 codewords each): kernels may decode
 # a long row in chunks with fewer checks, so garbage must be caught there too.
@@ -68,26 +85,43 @@ for rows, cols, n_codes, cases in ((7, 33, 40, 60), (5, 1500, 420, 28)):
         for case in range(cases):
             kind = case % 8
             minmax = rng.integers(0, 2**16, (rows, 2), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            codes, offsets = compressed_data.corrupt_stream(rng, kind, good_codes, good.row_offsets, len(good.codes))
+            codes, offsets = compressed_data.corrupt_stream(
+                rng, kind, good_codes, good.row_offsets, len(good.codes)
+            )
             forms = (masks, slots, words)
             if kind == 4:
-                forms = (rng.integers(0, 2**32, masks.shape, dtype=np.uint32),
-                         rng.integers(0, 256, slots.shape, dtype=np.uint8),
-                         rng.integers(0, 2**32, words.shape, dtype=np.uint32))
+                forms = (
+                    rng.integers(0, 2**32, masks.shape, dtype=np.uint32),
+                    rng.integers(0, 256, slots.shape, dtype=np.uint8),
+                    rng.integers(0, 2**32, words.shape, dtype=np.uint32),
+                )
             elif kind == 5:
-                forms = (masks, rng.integers(0, 256, slots.shape, dtype=np.uint8),
-                         rng.integers(0, 2**32, words.shape, dtype=np.uint32))
+                forms = (
+                    masks,
+                    rng.integers(0, 256, slots.shape, dtype=np.uint8),
+                    rng.integers(0, 2**32, words.shape, dtype=np.uint32),
+                )
             elif kind == 6:
                 # Words that claim 4 plus (or 4 minus) weights in codewords of
                 # length 0, one row of all the codewords: 4 list entries per
                 # codeword and no weights, past the lists' slack on long rows.
                 claim = rng.choice([5 * 4, 4])
-                forms = (masks, slots,
-                         (np.uint32(claim << 20) | rng.integers(0, 2**20, words.shape)).astype(np.uint32))
+                forms = (
+                    masks,
+                    slots,
+                    (np.uint32(claim << 20) | rng.integers(0, 2**20, words.shape)).astype(
+                        np.uint32
+                    ),
+                )
                 offsets = np.full(rows + 1, n_codes, np.int32)
                 offsets[0] = 0
             run_all(forms, codes, offsets, minmax)
-            run_all(forms, codes[None].repeat(2, 0), offsets[None].repeat(2, 0), minmax[None].repeat(2, 0))
+            run_all(
+                forms,
+                codes[None].repeat(2, 0),
+                offsets[None].repeat(2, 0),
+                minmax[None].repeat(2, 0),
+            )
         # Good operands, garbage counts: the tokens in use are exact, the others zero.
         stack = [a[None].repeat(3, 0) for a in (good_codes, good.row_offsets, good.minmax)]
         for _ in range(20):

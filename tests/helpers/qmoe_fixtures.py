@@ -33,6 +33,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # ---- a .pt writer without torch -------------------------------------------------------------
 
+
 class Global:
     """A global the pickle names by module and name (GLOBAL opcode), without importing it."""
 
@@ -54,8 +55,13 @@ class Call:
 
 
 REBUILD = Global("torch._utils", "_rebuild_tensor_v2")
-STORAGE_NAMES = {np.dtype(np.float32): "FloatStorage", BF16: "BFloat16Storage", np.dtype(np.int16): "ShortStorage",
-                 np.dtype(np.int32): "IntStorage", np.dtype(np.int64): "LongStorage"}
+STORAGE_NAMES = {
+    np.dtype(np.float32): "FloatStorage",
+    BF16: "BFloat16Storage",
+    np.dtype(np.int16): "ShortStorage",
+    np.dtype(np.int32): "IntStorage",
+    np.dtype(np.int64): "LongStorage",
+}
 
 
 class _Storage:
@@ -70,7 +76,14 @@ class _Tensor:
     def __reduce__(self):
         array = self.storage.array
         strides = tuple(s // array.itemsize for s in array.strides)
-        return REBUILD, (self.storage, 0, tuple(array.shape), strides, False, collections.OrderedDict())
+        return REBUILD, (
+            self.storage,
+            0,
+            tuple(array.shape),
+            strides,
+            False,
+            collections.OrderedDict(),
+        )
 
 
 class _Pickler(pickle._Pickler):
@@ -84,7 +97,13 @@ class _Pickler(pickle._Pickler):
 
     def persistent_id(self, obj):
         if isinstance(obj, _Storage):
-            return ("storage", Global("torch", STORAGE_NAMES[obj.array.dtype]), obj.key, "cpu", obj.array.size)
+            return (
+                "storage",
+                Global("torch", STORAGE_NAMES[obj.array.dtype]),
+                obj.key,
+                "cpu",
+                obj.array.size,
+            )
         return None
 
 
@@ -99,7 +118,8 @@ def _wrapped(value, storages: list):
 
 
 def save_pt(obj, path: str) -> None:
-    """Writes ``obj`` (dicts of numpy arrays and plain values) as torch.save's zip format would, without torch."""
+    """Writes ``obj`` (dicts of numpy arrays and plain values) as torch.save's zip format would,
+    without torch."""
     storages: list[_Storage] = []
     buffer = io.BytesIO()
     _Pickler(buffer, protocol=2).dump(_wrapped(obj, storages))
@@ -119,7 +139,11 @@ def torch_save(obj, path: str) -> None:
     def convert(value):
         if isinstance(value, np.ndarray):
             if value.dtype == BF16:
-                return torch.from_numpy(np.ascontiguousarray(value).view(np.int16)).view(torch.bfloat16).clone()
+                return (
+                    torch.from_numpy(np.ascontiguousarray(value).view(np.int16))
+                    .view(torch.bfloat16)
+                    .clone()
+                )
             return torch.from_numpy(np.ascontiguousarray(value)).clone()
         if isinstance(value, dict):
             return type(value)((k, convert(v)) for k, v in value.items())
@@ -130,9 +154,10 @@ def torch_save(obj, path: str) -> None:
 
 # ---- the authors' ternary quantizer and packer --------------------------------------------------
 
+
 def ternarize(weight: np.ndarray) -> np.ndarray:
-    """QMoE's ternary round-to-nearest of W[out, in] (bfloat16 values): per row {min(0, min), 0, max(0, max)},
-    x -> max where x > max/2, min where x < min/2, else 0."""
+    """QMoE's ternary round-to-nearest of W[out, in] (bfloat16 values): per row {min(0, min), 0,
+    max(0, max)}, x -> max where x > max/2, min where x < min/2, else 0."""
     w = weight.astype(BF16).astype(np.float32)
     low = np.minimum(w.min(axis=1, keepdims=True), 0)
     high = np.maximum(w.max(axis=1, keepdims=True), 0)
@@ -140,7 +165,8 @@ def ternarize(weight: np.ndarray) -> np.ndarray:
 
 
 def add_edge_rows(q: np.ndarray) -> np.ndarray:
-    """Rows the authors' packer treats specially: no negative weight (min 0, zeros coded 1), all zero, all max."""
+    """Rows the authors' packer treats specially: no negative weight (min 0, zeros coded 1), all
+    zero, all max."""
     q = q.copy()
     q[0] = np.where(q[0] > 0, q[0], 0)
     q[0, ::5] = q[0].max() or 0.5
@@ -162,7 +188,8 @@ _INDEX = None
 
 
 def pack_linear(q: np.ndarray) -> dict[str, np.ndarray]:
-    """The authors' ``Sub1Linear.make`` state (w_comp, row_off, ter_minmax, weight) of ternary W[out, in]."""
+    """The authors' ``Sub1Linear.make`` state (w_comp, row_off, ter_minmax, weight) of ternary
+    W[out, in]."""
     global _INDEX
     _INDEX = _INDEX or _dictionary_index()
     w = q.astype(BF16)
@@ -182,42 +209,92 @@ def pack_linear(q: np.ndarray) -> dict[str, np.ndarray]:
             node = node + (pair,)
         stream.append(_INDEX[node])
         row_off.append(len(stream))
-    return {"w_comp": np.asarray(stream, np.uint16).view(np.int16), "row_off": np.asarray(row_off, np.int32),
-            "ter_minmax": ter_minmax, "weight": np.zeros(0, BF16)}
+    return {
+        "w_comp": np.asarray(stream, np.uint16).view(np.int16),
+        "row_off": np.asarray(row_off, np.int32),
+        "ter_minmax": ter_minmax,
+        "weight": np.zeros(0, BF16),
+    }
 
 
 # ---- whole directories --------------------------------------------------------------------------
 
-def hf_config(vocab=164, d_model=32, heads=4, d_kv=8, d_ff=64, layers=2, experts=4, full_sparse=False,
-              tied=True) -> dict:
+
+def hf_config(
+    vocab=164,
+    d_model=32,
+    heads=4,
+    d_kv=8,
+    d_ff=64,
+    layers=2,
+    experts=4,
+    full_sparse=False,
+    tied=True,
+) -> dict:
     """A ``SwitchTransformersConfig`` dict as the authors save it (torch_dtype bfloat16)."""
-    values = {"model_type": "switch_transformers", "vocab_size": vocab, "d_model": d_model, "d_kv": d_kv,
-              "d_ff": d_ff, "num_heads": heads, "num_layers": layers, "num_decoder_layers": layers,
-              "num_experts": experts, "num_sparse_encoder_layers": layers // 2,
-              "num_sparse_decoder_layers": layers // 2, "encoder_sparse_step": 2, "decoder_sparse_step": 2,
-              "expert_capacity": 4096, "router_jitter_noise": 0.0, "dropout_rate": 0.0, "router_dtype": "float32",
-              "relative_attention_num_buckets": 32, "relative_attention_max_distance": 128,
-              "layer_norm_epsilon": 1e-6, "dense_act_fn": "relu", "tie_word_embeddings": tied,
-              "decoder_start_token_id": 0, "pad_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16"}
-    if full_sparse:  # HF makes every block sparse with step 1; the authors' loader checks is_full_sparse
-        values.update(is_full_sparse=True, num_sparse_encoder_layers=layers, num_sparse_decoder_layers=layers,
-                      encoder_sparse_step=1, decoder_sparse_step=1)
+    values = {
+        "model_type": "switch_transformers",
+        "vocab_size": vocab,
+        "d_model": d_model,
+        "d_kv": d_kv,
+        "d_ff": d_ff,
+        "num_heads": heads,
+        "num_layers": layers,
+        "num_decoder_layers": layers,
+        "num_experts": experts,
+        "num_sparse_encoder_layers": layers // 2,
+        "num_sparse_decoder_layers": layers // 2,
+        "encoder_sparse_step": 2,
+        "decoder_sparse_step": 2,
+        "expert_capacity": 4096,
+        "router_jitter_noise": 0.0,
+        "dropout_rate": 0.0,
+        "router_dtype": "float32",
+        "relative_attention_num_buckets": 32,
+        "relative_attention_max_distance": 128,
+        "layer_norm_epsilon": 1e-6,
+        "dense_act_fn": "relu",
+        "tie_word_embeddings": tied,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+        "torch_dtype": "bfloat16",
+    }
+    if (
+        full_sparse
+    ):  # HF makes every block sparse with step 1; the authors' loader checks is_full_sparse
+        values.update(
+            is_full_sparse=True,
+            num_sparse_encoder_layers=layers,
+            num_sparse_decoder_layers=layers,
+            encoder_sparse_step=1,
+            decoder_sparse_step=1,
+        )
     return values
 
 
 def sparse_blocks(config: dict, stack: str) -> list[int]:
     layers = config["num_layers"]
-    return list(range(layers)) if "is_full_sparse" in config else [i for i in range(layers) if i % 2 == 1]
+    return (
+        list(range(layers))
+        if "is_full_sparse" in config
+        else [i for i in range(layers) if i % 2 == 1]
+    )
 
 
-def write_qmoe_directory(directory, config: dict, state: dict[str, np.ndarray], use_torch: bool) -> dict:
-    """Writes config.json, noexp.pt, expNN.pt (one per sparse layer, encoder first) and sizes.pt from an HF
-    state dict whose expert weights are ternary already; returns ``{expert linear: packed state}``."""
+def write_qmoe_directory(
+    directory, config: dict, state: dict[str, np.ndarray], use_torch: bool
+) -> dict:
+    """Writes config.json, noexp.pt, expNN.pt (one per sparse layer, encoder first) and sizes.pt
+    from an HF state dict whose expert weights are ternary already; returns ``{expert linear: packed
+    state}``."""
     os.makedirs(directory, exist_ok=True)
     save = torch_save if use_torch else save_pt
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    dense = collections.OrderedDict((k, v.astype(BF16)) for k, v in state.items() if ".experts." not in k)
+    dense = collections.OrderedDict(
+        (k, v.astype(BF16)) for k, v in state.items() if ".experts." not in k
+    )
     save(dense, os.path.join(directory, "noexp.pt"))
     packed, sizes, number = {}, {}, 0
     for stack in ("encoder", "decoder"):
@@ -237,8 +314,8 @@ def write_qmoe_directory(directory, config: dict, state: dict[str, np.ndarray], 
 
 
 def ternary_state(state: dict[str, np.ndarray], edge_rows: bool = True) -> dict[str, np.ndarray]:
-    """``state`` in bfloat16 values (as float32) with every expert weight ternarized (and, for expert 0's wi of
-    each layer, the edge-case rows)."""
+    """``state`` in bfloat16 values (as float32) with every expert weight ternarized (and, for
+    expert 0's wi of each layer, the edge-case rows)."""
     out = {}
     for name, value in state.items():
         value = np.asarray(value, np.float32).astype(BF16).astype(np.float32)
@@ -255,26 +332,40 @@ def t5x_to_hf(tree: dict, config) -> dict[str, np.ndarray]:
     state = {"shared.weight": tree["token_embedder"]["embedding"]}
     for stack in ("encoder", "decoder"):
         node = tree[stack]
-        state[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = \
-            node["relpos_bias"]["rel_embedding"].T
+        state[f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"] = node[
+            "relpos_bias"
+        ]["rel_embedding"].T
         state[f"{stack}.final_layer_norm.weight"] = node[f"{stack}_norm"]["scale"]
         layers = config.num_decoder_layers if stack == "decoder" else config.num_encoder_layers
-        names = (("pre_attention_layer_norm", "attention", None) if stack == "encoder" else
-                 ("pre_self_attention_layer_norm", "self_attention", "encoder_decoder_attention"))
+        names = (
+            ("pre_attention_layer_norm", "attention", None)
+            if stack == "encoder"
+            else ("pre_self_attention_layer_norm", "self_attention", "encoder_decoder_attention")
+        )
         for i in range(layers):
             layer, block = node[f"layers_{i}"], f"{stack}.block.{i}.layer"
             state[f"{block}.0.layer_norm.weight"] = layer[names[0]]["scale"]
             for ours, theirs in hf_names.ATTENTION:
-                state[f"{block}.0.SelfAttention.{theirs}.weight"] = layer[names[1]][ours]["kernel"].T
+                state[f"{block}.0.SelfAttention.{theirs}.weight"] = layer[names[1]][ours][
+                    "kernel"
+                ].T
                 if names[2]:
-                    state[f"{block}.1.EncDecAttention.{theirs}.weight"] = layer[names[2]][ours]["kernel"].T
+                    state[f"{block}.1.EncDecAttention.{theirs}.weight"] = layer[names[2]][ours][
+                        "kernel"
+                    ].T
             if names[2]:
-                state[f"{block}.1.layer_norm.weight"] = layer["pre_cross_attention_layer_norm"]["scale"]
+                state[f"{block}.1.layer_norm.weight"] = layer["pre_cross_attention_layer_norm"][
+                    "scale"
+                ]
             prefix = hf_names.mlp_name(stack, i)
-            state[f"{prefix.rsplit('.', 1)[0]}.layer_norm.weight"] = layer["pre_mlp_layer_norm"]["scale"]
+            state[f"{prefix.rsplit('.', 1)[0]}.layer_norm.weight"] = layer["pre_mlp_layer_norm"][
+                "scale"
+            ]
             mlp = layer["mlp"]
             if "expert" in mlp:
-                state[f"{prefix}.router.classifier.weight"] = mlp["router"]["router_weights"]["w"]["kernel"].T
+                state[f"{prefix}.router.classifier.weight"] = mlp["router"]["router_weights"]["w"][
+                    "kernel"
+                ].T
                 for kernel in hf_names.EXPERT_KERNELS:
                     for e, matrix in enumerate(mlp["expert"][kernel]["kernel"]):
                         state[f"{hf_names.expert_name(stack, i, e)}.{kernel}.weight"] = matrix.T

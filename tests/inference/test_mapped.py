@@ -1,4 +1,5 @@
-"""Mapped checkpoints (docs/format.md §9): conversion, equality with the loaded model, damaged files."""
+"""Mapped checkpoints (docs/format.md §9): conversion, equality with the loaded model, damaged
+files."""
 
 import errno
 import json
@@ -24,18 +25,28 @@ from qmoe_jax.inference.strategies import DecodingConfig, generate
 def checkpoints(tmp_path_factory, tiny_tokenizer):
     """(compressed directory, mapped directory) of the tiny model."""
     root = tmp_path_factory.mktemp("mapped")
-    options = CompressionOptions(checkpoint=write_tiny_checkpoint(root / "t5x"), tokenizer=tiny_tokenizer.model_path,
-                                 calibration=f"text:{write_calibration_text(root / 'calibration.txt')}",
-                                 num_samples=24, inputs_length=32, batch_size=8, group_size=2,
-                                 output_dir=str(root / "compressed"))
+    options = CompressionOptions(
+        checkpoint=write_tiny_checkpoint(root / "t5x"),
+        tokenizer=tiny_tokenizer.model_path,
+        calibration=f"text:{write_calibration_text(root / 'calibration.txt')}",
+        num_samples=24,
+        inputs_length=32,
+        batch_size=8,
+        group_size=2,
+        output_dir=str(root / "compressed"),
+    )
     compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
-    convert_cli.main(["--checkpoint", str(root / "compressed"), "--output_dir", str(root / "mapped")])
+    convert_cli.main(
+        ["--checkpoint", str(root / "compressed"), "--output_dir", str(root / "mapped")]
+    )
     return str(root / "compressed"), str(root / "mapped")
 
 
 def prompts(count, seed=0):
     rng = np.random.default_rng(seed)
-    return np.stack([np.append(rng.integers(3, TINY.vocab_size - 100, 12), 1) for _ in range(count)]).astype(np.int32)
+    return np.stack(
+        [np.append(rng.integers(3, TINY.vocab_size - 100, 12), 1) for _ in range(count)]
+    ).astype(np.int32)
 
 
 def copy(directory, tmp_path):
@@ -80,14 +91,18 @@ def test_conversion_keeps_every_array(checkpoints):
         arrays, _ = source.layer(name)
         for kernel, stack in target.open_layer(name).stacks().items():
             for array in ("codes", "row_offsets", "minmax"):
-                np.testing.assert_array_equal(getattr(stack, array), arrays[kernel][array], err_msg=f"{name}/{kernel}")
+                np.testing.assert_array_equal(
+                    getattr(stack, array), arrays[kernel][array], err_msg=f"{name}/{kernel}"
+                )
 
 
 def test_truncated_file_is_named_with_the_expert_at_open(checkpoints, tmp_path):
     directory = copy(checkpoints[1], tmp_path)
     path = layer_file(directory)
     os.truncate(path, os.path.getsize(path) - 4096)
-    with pytest.raises(MappedExpertError, match=rf"{path} has .* bytes but the manifest recorded .*expert \d+"):
+    with pytest.raises(
+        MappedExpertError, match=rf"{path} has .* bytes but the manifest recorded .*expert \d+"
+    ):
         open_model(directory)
 
 
@@ -98,9 +113,13 @@ def test_file_truncated_after_open_is_an_error_not_a_fault(checkpoints, tmp_path
     os.truncate(path, 4096)
     config = DecodingConfig(method="greedy", max_decode_length=4, eos_id=-1)
     for _ in range(2):  # and again: the layer stays refused, even if the file got its size back
-        with pytest.raises(MappedExpertError, match=rf"{path} has 4096 bytes.*decoder.layers_1.mlp, expert \d+"):
-            with model.residency.errors():
-                generate(model.module, model.params, prompts(2), config)
+        with (
+            pytest.raises(
+                MappedExpertError, match=rf"{path} has 4096 bytes.*decoder.layers_1.mlp, expert \d+"
+            ),
+            model.residency.errors(),
+        ):
+            generate(model.module, model.params, prompts(2), config)
         os.truncate(path, model.residency.layers["decoder.layers_1.mlp"].index.bytes)
 
 
@@ -120,8 +139,12 @@ def test_changed_byte_is_named_with_the_expert(checkpoints, tmp_path, verify):
     model = open_model(directory)  # lazy: nothing is read yet
     residency = model.residency
     with pytest.raises(MappedExpertError, match=pattern):
-        residency.touch("decoder.layers_1.mlp", np.array([1] + [0] * (TINY.num_experts - 1), np.int32))
-    residency.touch("decoder.layers_1.mlp", np.array([0, 1] + [0] * (TINY.num_experts - 2), np.int32))
+        residency.touch(
+            "decoder.layers_1.mlp", np.array([1] + [0] * (TINY.num_experts - 1), np.int32)
+        )
+    residency.touch(
+        "decoder.layers_1.mlp", np.array([0, 1] + [0] * (TINY.num_experts - 2), np.int32)
+    )
 
 
 def test_budget_releases_the_least_recently_routed_experts(checkpoints):
@@ -138,20 +161,40 @@ def test_budget_releases_the_least_recently_routed_experts(checkpoints):
 @pytest.mark.slow
 def test_generate_cli_takes_the_mapped_form(checkpoints, tiny_tokenizer, tmp_path, capsys):
     compressed, mapped = checkpoints
-    common = ["--tokenizer", tiny_tokenizer.model_path, "--prompt", "every <extra_id_0> layer",
-              "--max_decode_length", "5"]
+    common = [
+        "--tokenizer",
+        tiny_tokenizer.model_path,
+        "--prompt",
+        "every <extra_id_0> layer",
+        "--max_decode_length",
+        "5",
+    ]
     generate_cli.main(common + ["--checkpoint", compressed])
     expected = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    generate_cli.main(common + ["--checkpoint", mapped, "--experts", "mapped", "--verify", "full",
-                                "--expert_cache_gb", "0.5"])
+    generate_cli.main(
+        common
+        + [
+            "--checkpoint",
+            mapped,
+            "--experts",
+            "mapped",
+            "--verify",
+            "full",
+            "--expert_cache_gb",
+            "0.5",
+        ]
+    )
     got = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    # The same tokens and text; the score to float rounding: the mapped layer sends each of the prompt's few
-    # tokens through the one-token kernel, the loaded model's dispatch path an expert's 4 or more tokens through
-    # the several-token one, which adds in another order (bit for bit alike on some instruction sets only).
-    assert [{k: v for k, v in line.items() if k != "score"} for line in got] == \
-        [{k: v for k, v in line.items() if k != "score"} for line in expected]
-    assert expected and [line["score"] for line in got] == pytest.approx([line["score"] for line in expected],
-                                                                          rel=1e-5, abs=1e-5)
+    # The same tokens and text; the score to float rounding: the mapped layer sends each of the
+    # prompt's few tokens through the one-token kernel, the loaded model's dispatch path an expert's
+    # 4 or more tokens through the several-token one, which adds in another order (bit for bit alike
+    # on some instruction sets only).
+    assert [{k: v for k, v in line.items() if k != "score"} for line in got] == [
+        {k: v for k, v in line.items() if k != "score"} for line in expected
+    ]
+    assert expected and [line["score"] for line in got] == pytest.approx(
+        [line["score"] for line in expected], rel=1e-5, abs=1e-5
+    )
     directory = copy(mapped, tmp_path)
     path = layer_file(directory, "encoder.layers_1.mlp")
     with open(path, "r+b") as f:  # every expert's first codeword
@@ -162,8 +205,10 @@ def test_generate_cli_takes_the_mapped_form(checkpoints, tiny_tokenizer, tmp_pat
             word = f.read(2)
             f.seek(offset)
             f.write(bytes([word[0] ^ 1, word[1]]))
-    result = run_python(["-m", "qmoe_jax.generate", "--checkpoint", directory, "--experts", "mapped"] + common,
-                        timeout=300)
+    result = run_python(
+        ["-m", "qmoe_jax.generate", "--checkpoint", directory, "--experts", "mapped"] + common,
+        timeout=300,
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: expert ")
@@ -177,7 +222,9 @@ def test_disk_full_while_writing_removes_the_layer_file(checkpoints, tmp_path, m
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match="No space left"):
         convert_to_mapped(checkpoints[0], str(tmp_path / "out"))
-    assert not [name for name in os.listdir(tmp_path / "out" / "layers") if name.endswith(".experts")]
+    assert not [
+        name for name in os.listdir(tmp_path / "out" / "layers") if name.endswith(".experts")
+    ]
 
 
 def test_bad_requests_are_refused_with_the_fix(checkpoints, tmp_path):
@@ -186,15 +233,17 @@ def test_bad_requests_are_refused_with_the_fix(checkpoints, tmp_path):
         open_model(compressed, experts="mapped")
     with pytest.raises(ValueError, match="whose experts are mapped"):
         open_model(mapped, experts="dense")
-    with pytest.raises(CompressedCheckpointError, match="already holds a finished mapped checkpoint"):
+    with pytest.raises(
+        CompressedCheckpointError, match="already holds a finished mapped checkpoint"
+    ):
         convert_to_mapped(compressed, mapped)
     with pytest.raises(SystemExit):
         generate_cli.main(["--checkpoint", compressed, "--experts", "mapped", "--prompt", "x"])
 
 
 def test_checkpoint_with_expert_adapters_is_not_converted(checkpoints, tmp_path):
-    """A fine-tuned checkpoint's LoRA adapters (docs/format.md §8.9) have no place in the mapped layout: refused,
-    never silently dropped."""
+    """A fine-tuned checkpoint's LoRA adapters (docs/format.md §8.9) have no place in the mapped
+    layout: refused, never silently dropped."""
     import json
 
     source = copy(checkpoints[0], tmp_path)

@@ -33,16 +33,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def flat(tree):
-    return {path: np.asarray(value) for path, value in traverse_util.flatten_dict(tree, sep="/").items()}
+    return {
+        path: np.asarray(value) for path, value in traverse_util.flatten_dict(tree, sep="/").items()
+    }
 
 
 @pytest.mark.parametrize("format", ["legacy", "orbax"])
-def test_export_holds_the_dequantized_model_in_bfloat16(compressed_tiny, tmp_path, format):  # noqa: F811
+def test_export_holds_the_dequantized_model_in_bfloat16(compressed_tiny, tmp_path, format):
     _, directory, _ = compressed_tiny
     written = export_t5x(directory, str(tmp_path / "export"), format, log=lambda _: None)
     assert written.rstrip("/").endswith("checkpoint_1")  # the source's step
     manifest = json.loads((tmp_path / "export" / "manifest.json").read_text())
-    assert (manifest["format"], manifest["step"], manifest["t5x_format"]) == ("qmoe_jax.t5x_export", 1, format)
+    assert (manifest["format"], manifest["step"], manifest["t5x_format"]) == (
+        "qmoe_jax.t5x_export",
+        1,
+        format,
+    )
     checkpoint = open_t5x_checkpoint(written)
     assert checkpoint.step == 1
     stored = flat(checkpoint.read_params(checkpoint.keys()))
@@ -50,21 +56,29 @@ def test_export_holds_the_dequantized_model_in_bfloat16(compressed_tiny, tmp_pat
     assert sorted(stored) == sorted(expected)
     for path, array in stored.items():
         assert array.dtype == ml_dtypes.bfloat16, path
-        np.testing.assert_array_equal(array, expected[path].astype(ml_dtypes.bfloat16), err_msg=path)
+        np.testing.assert_array_equal(
+            array, expected[path].astype(ml_dtypes.bfloat16), err_msg=path
+        )
     # Ternary weights are 0 or a row's bfloat16 min or max, so the experts survive bfloat16 exactly.
     kernel = "encoder/layers_1/mlp/expert/wi/kernel"
     np.testing.assert_array_equal(stored[kernel].astype(np.float32), expected[kernel])
 
 
-def test_export_cli_follows_the_output_rules(compressed_tiny, tmp_path, capsys):  # noqa: F811
+def test_export_cli_follows_the_output_rules(compressed_tiny, tmp_path, capsys):
     _, directory, _ = compressed_tiny
     out = tmp_path / "export"
     export_cli.main(["--checkpoint", directory, "--output_dir", str(out)])
     assert capsys.readouterr().out.strip().rstrip("/").endswith("checkpoint_1")
     for argv, message in [
         (["--checkpoint", directory, "--output_dir", str(out)], "checkpoint_1 already exists"),
-        (["--checkpoint", str(out / "checkpoint_1"), "--output_dir", str(tmp_path / "x")], "needs no export"),
-        (["--checkpoint", directory, "--output_dir", str(tmp_path / "x"), "--format", "zarr3"], "invalid choice"),
+        (
+            ["--checkpoint", str(out / "checkpoint_1"), "--output_dir", str(tmp_path / "x")],
+            "needs no export",
+        ),
+        (
+            ["--checkpoint", directory, "--output_dir", str(tmp_path / "x"), "--format", "zarr3"],
+            "invalid choice",
+        ),
     ]:
         with pytest.raises(SystemExit):
             export_cli.main(argv)
@@ -86,26 +100,41 @@ def _t5x_available() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _t5x_available(), reason="stock T5X is not installed (import t5x, flaxformer fails); "
-                                                  "docs/gin.md §7 says how to build that environment")
+@pytest.mark.skipif(
+    not _t5x_available(),
+    reason="stock T5X is not installed (import t5x, flaxformer fails); "
+    "docs/gin.md §7 says how to build that environment",
+)
 def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
-    """Exports the README main job's output, runs ``python -m t5x.eval`` on it with configs/t5x/, and compares its
-    per-example scores with qmoe_jax's fused-kernel scores of the compressed checkpoint."""
+    """Exports the README main job's output, runs ``python -m t5x.eval`` on it with configs/t5x/,
+    and compares its per-example scores with qmoe_jax's fused-kernel scores of the compressed
+    checkpoint."""
     import flaxformer
 
     compressed = os.path.join(REPO, "runs", "compressed", bundled.CONFIG_NAME)
     if not os.path.isfile(os.path.join(compressed, "manifest.json")):
-        pytest.skip(f"{compressed} is missing: run the README's main job (python -m qmoe_jax.compress) first")
+        pytest.skip(
+            f"{compressed} is missing: run the README's main job (python -m qmoe_jax.compress) "
+            "first"
+        )
     written = export_t5x(compressed, str(tmp_path / "export"), log=lambda _: None)
     examples = 64
     flaxformer_root = os.path.dirname(os.path.dirname(os.path.abspath(flaxformer.__file__)))
-    command = [sys.executable, "-m", "t5x.eval", f"--gin_search_paths={flaxformer_root},{CONFIGS_DIR}",
-               "--gin_file=t5x/switch_mini_8_eval.gin", f"--gin.CHECKPOINT_PATH='{written.rstrip('/')}'",
-               f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 't5x_eval'}'",
-               f"--gin.VOCABULARY_FILE='{bundled.tokenizer_path()}'",
-               "--gin.MIXTURE_OR_TASK_NAME='qmoe_span_corruption'", f"--gin.QMOE_NUM_EXAMPLES={examples}"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path),
-                            env=child_env())
+    command = [
+        sys.executable,
+        "-m",
+        "t5x.eval",
+        f"--gin_search_paths={flaxformer_root},{CONFIGS_DIR}",
+        "--gin_file=t5x/switch_mini_8_eval.gin",
+        f"--gin.CHECKPOINT_PATH='{written.rstrip('/')}'",
+        f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 't5x_eval'}'",
+        f"--gin.VOCABULARY_FILE='{bundled.tokenizer_path()}'",
+        "--gin.MIXTURE_OR_TASK_NAME='qmoe_span_corruption'",
+        f"--gin.QMOE_NUM_EXAMPLES={examples}",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=child_env()
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "t5x_eval" / "inference_eval"
     metrics = [json.loads(line) for line in open(out / "qmoe_span_corruption-metrics.jsonl")]
@@ -116,33 +145,69 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     model = open_model(compressed)  # fused kernels
     found = validation_set("bundled", Tokenizer(bundled.tokenizer_path()), examples)
     assert [r["input"]["targets"] for r in records] == [t.tolist() for _, t in found.examples]
-    ours = score_examples(model.module, model.params, found.examples, 32, found.encoder_length, found.decoder_length)
+    ours = score_examples(
+        model.module, model.params, found.examples, 32, found.encoder_length, found.decoder_length
+    )
     np.testing.assert_allclose(t5x_scores, ours.log_likelihoods, rtol=1e-4)
     assert metrics[0]["mean_log_likelihood"] == pytest.approx(ours.log_likelihoods.mean(), rel=1e-4)
-    print(f"span corruption, t5x.eval: {json.dumps(metrics[0])}; qmoe_jax compressed: mean log-likelihood "
-          f"{ours.log_likelihoods.mean():.6f}; largest per-example difference "
-          f"{np.abs(t5x_scores - ours.log_likelihoods).max():.2e}")
+    print(
+        f"span corruption, t5x.eval: {json.dumps(metrics[0])}; qmoe_jax compressed: mean "
+        "log-likelihood "
+        f"{ours.log_likelihoods.mean():.6f}; largest per-example difference "
+        f"{np.abs(t5x_scores - ours.log_likelihoods).max():.2e}"
+    )
 
-    # A JSON-lines task, tokenized by seqio in T5X and by qmoe_jax here: same ids, scores and greedy predictions.
+    # A JSON-lines task, tokenized by seqio in T5X and by qmoe_jax here: same ids, scores and greedy
+    # predictions.
     jsonl = tmp_path / "pairs.jsonl"
-    jsonl.write_text("".join(json.dumps({"inputs": a, "targets": b}) + "\n" for a, b in [
-        ("To be, or not to be, that is the question.", "Whether tis nobler in the mind to suffer"),
-        ("Friends, Romans, countrymen, lend me your ears.", "I come to bury Caesar, not to praise him."),
-        ("What's in a name?", "That which we call a rose")]))
+    jsonl.write_text(
+        "".join(
+            json.dumps({"inputs": a, "targets": b}) + "\n"
+            for a, b in [
+                (
+                    "To be, or not to be, that is the question.",
+                    "Whether tis nobler in the mind to suffer",
+                ),
+                (
+                    "Friends, Romans, countrymen, lend me your ears.",
+                    "I come to bury Caesar, not to praise him.",
+                ),
+                ("What's in a name?", "That which we call a rose"),
+            ]
+        )
+    )
     lengths = "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 16}"
-    command = command[:-2] + [lengths, "--gin.MIXTURE_OR_TASK_NAME='qmoe_jsonl_seq2seq'",
-                              f"--gin.QMOE_JSONL_FILE='{jsonl}'"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=child_env())
+    command = command[:-2] + [
+        lengths,
+        "--gin.MIXTURE_OR_TASK_NAME='qmoe_jsonl_seq2seq'",
+        f"--gin.QMOE_JSONL_FILE='{jsonl}'",
+    ]
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=child_env()
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     theirs = [json.loads(line) for line in open(out / "qmoe_jsonl_seq2seq-006000.jsonl")]
-    evaluate_cli.evaluate(["--gin_file=runs/eval.gin", "--gin_file=models/switch_mini_8.gin",
-                           f"--gin.CHECKPOINT_PATH='{compressed}'", f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 'ours'}'",
-                           "--gin.MIXTURE_OR_TASK_NAME='jsonl_seq2seq'", f"--gin.JSONL_FILE='{jsonl}'", lengths])
-    mine = [json.loads(line) for line in open(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")]
+    evaluate_cli.evaluate(
+        [
+            "--gin_file=runs/eval.gin",
+            "--gin_file=models/switch_mini_8.gin",
+            f"--gin.CHECKPOINT_PATH='{compressed}'",
+            f"--gin.EVAL_OUTPUT_DIR='{tmp_path / 'ours'}'",
+            "--gin.MIXTURE_OR_TASK_NAME='jsonl_seq2seq'",
+            f"--gin.JSONL_FILE='{jsonl}'",
+            lengths,
+        ]
+    )
+    mine = [
+        json.loads(line)
+        for line in open(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")
+    ]
     assert [t["input"]["targets"] for t in theirs] == [m["input"]["targets"] for m in mine]
     np.testing.assert_allclose([t["score"] for t in theirs], [m["score"] for m in mine], rtol=1e-4)
     # seqio's decoder puts spaces around sentinels, qmoe_jax's does not.
     unspaced = lambda text: re.sub(r"\s*(<extra_id_\d+>)\s*", r"\1", text)  # noqa: E731
     assert [unspaced(t["prediction"]) for t in theirs] == [unspaced(m["prediction"]) for m in mine]
-    print(f"seq2seq, t5x.eval: {[round(t['score'], 4) for t in theirs]}; qmoe_jax compressed: "
-          f"{[round(m['score'], 4) for m in mine]}; predictions equal")
+    print(
+        f"seq2seq, t5x.eval: {[round(t['score'], 4) for t in theirs]}; qmoe_jax compressed: "
+        f"{[round(m['score'], 4) for m in mine]}; predictions equal"
+    )

@@ -14,7 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip(
-    "transformers", reason="parity tests need transformers (pip install transformers protobuf)")
+    "transformers", reason="parity tests need transformers (pip install transformers protobuf)"
+)
 
 from qmoe_jax.checkpoints import hf_names  # noqa: E402
 from qmoe_jax.models import MoeLayer, SwitchConfig, SwitchTransformer  # noqa: E402
@@ -28,11 +29,24 @@ VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS, SPARSE, EXPERTS = 160, 32, 4, 8, 64, 
 def build_hf(tied: bool, seed: int, expert_capacity: int = 64):
     torch.manual_seed(seed)
     config = transformers.SwitchTransformersConfig(
-        vocab_size=VOCAB, d_model=D_MODEL, d_kv=D_KV, d_ff=D_FF, num_heads=HEADS,
-        num_layers=LAYERS, num_decoder_layers=LAYERS, num_experts=EXPERTS,
-        num_sparse_encoder_layers=SPARSE, num_sparse_decoder_layers=SPARSE,
-        expert_capacity=expert_capacity, dropout_rate=0.0, router_jitter_noise=0.0, router_dtype="float32",
-        tie_word_embeddings=tied, decoder_start_token_id=0, pad_token_id=0)
+        vocab_size=VOCAB,
+        d_model=D_MODEL,
+        d_kv=D_KV,
+        d_ff=D_FF,
+        num_heads=HEADS,
+        num_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_experts=EXPERTS,
+        num_sparse_encoder_layers=SPARSE,
+        num_sparse_decoder_layers=SPARSE,
+        expert_capacity=expert_capacity,
+        dropout_rate=0.0,
+        router_jitter_noise=0.0,
+        router_dtype="float32",
+        tie_word_embeddings=tied,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+    )
     model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
     if not tied:
         # In transformers 5.x untying also unties the encoder/decoder input
@@ -44,14 +58,27 @@ def build_hf(tied: bool, seed: int, expert_capacity: int = 64):
 
 def our_config(tied: bool) -> SwitchConfig:
     return SwitchConfig(
-        name="hf-parity", vocab_size=VOCAB, d_model=D_MODEL, num_heads=HEADS, d_kv=D_KV, d_ff=D_FF,
-        num_encoder_layers=LAYERS, num_decoder_layers=LAYERS, num_experts=EXPERTS,
-        num_encoder_sparse_layers=SPARSE, num_decoder_sparse_layers=SPARSE, logits_dense=not tied,
-        eval_capacity_factor=float(EXPERTS), train_capacity_factor=float(EXPERTS), min_expert_capacity=1)
+        name="hf-parity",
+        vocab_size=VOCAB,
+        d_model=D_MODEL,
+        num_heads=HEADS,
+        d_kv=D_KV,
+        d_ff=D_FF,
+        num_encoder_layers=LAYERS,
+        num_decoder_layers=LAYERS,
+        num_experts=EXPERTS,
+        num_encoder_sparse_layers=SPARSE,
+        num_decoder_sparse_layers=SPARSE,
+        logits_dense=not tied,
+        eval_capacity_factor=float(EXPERTS),
+        train_capacity_factor=float(EXPERTS),
+        min_expert_capacity=1,
+    )
 
 
 def hf_to_t5x(model, config: SwitchConfig) -> dict:
-    """Maps HF SwitchTransformers weights into the T5X tree in float32 (``checkpoints.hf_names``)."""
+    """Maps HF SwitchTransformers weights into the T5X tree in float32
+    (``checkpoints.hf_names``)."""
     state = {k: v.detach().cpu().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     return hf_names.hf_to_t5x(state, config)
 
@@ -87,16 +114,19 @@ def test_logits_match_hugging_face(tied, padded):
     model = SwitchTransformer(config)
     encoder_tokens, decoder_inputs, targets = make_inputs(seed=7, padded=padded)
 
-    expected_tree = jax.eval_shape(lambda: model.init(
-        jax.random.PRNGKey(0), encoder_tokens, decoder_inputs, targets))["params"]
+    expected_tree = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), encoder_tokens, decoder_inputs, targets)
+    )["params"]
     assert jax.tree.structure(params) == jax.tree.structure(expected_tree)
     assert jax.tree.map(np.shape, params) == jax.tree.map(lambda s: s.shape, expected_tree)
 
     with torch.no_grad():
-        hf = hf_model(input_ids=torch.from_numpy(encoder_tokens).long(),
-                      attention_mask=torch.from_numpy(encoder_tokens > 0).long(),
-                      decoder_input_ids=torch.from_numpy(decoder_inputs).long(),
-                      decoder_attention_mask=torch.from_numpy(targets > 0).long())
+        hf = hf_model(
+            input_ids=torch.from_numpy(encoder_tokens).long(),
+            attention_mask=torch.from_numpy(encoder_tokens > 0).long(),
+            decoder_input_ids=torch.from_numpy(decoder_inputs).long(),
+            decoder_attention_mask=torch.from_numpy(targets > 0).long(),
+        )
     hf_logits = hf.logits.numpy()
     hf_encoded = hf.encoder_last_hidden_state.numpy()
     ours = np.asarray(model.apply({"params": params}, encoder_tokens, decoder_inputs, targets))
@@ -117,8 +147,10 @@ def first_come_kept(experts: np.ndarray, capacity: int) -> np.ndarray:
     return earlier < capacity
 
 
-@pytest.mark.skipif(int(transformers.__version__.split(".")[0]) < 5,
-                    reason="transformers 4.x passes over-capacity tokens through instead of zeroing them")
+@pytest.mark.skipif(
+    int(transformers.__version__.split(".")[0]) < 5,
+    reason="transformers 4.x passes over-capacity tokens through instead of zeroing them",
+)
 def test_capacity_drops_follow_each_rule():
     """With a small capacity each MoE layer zeroes the output of exactly the tokens its
     own rule drops (docs/t5x.md §6, §9): T5X gives an expert C slots per routing group,
@@ -128,7 +160,9 @@ def test_capacity_drops_follow_each_rule():
     # G >= E dividing N and divisible by E), so groups straddle sequences; CF 0.5 gives
     # C = round(0.5 * 18 / 4) = 2 slots per group, as many as HF gives per sequence.
     groups, per_group = 4, 18
-    config = dataclasses.replace(our_config(tied=True), eval_capacity_factor=0.5, min_expert_capacity=1)
+    config = dataclasses.replace(
+        our_config(tied=True), eval_capacity_factor=0.5, min_expert_capacity=1
+    )
     hf_model = build_hf(tied=True, seed=3, expert_capacity=capacity)
     mlp_params = hf_to_t5x(hf_model, config)["encoder"]["layers_1"]["mlp"]
     x = np.random.default_rng(5).normal(size=(batch, length, D_MODEL)).astype(np.float32)

@@ -160,16 +160,23 @@ def test_words_form_lists_each_entrys_nonzero_weights():
         assert bool(words[0] & bindings.WORDS_TABLE_OVERFLOWS) == overflows
         assert bool(words[0] & bindings.WORDS_TABLE_HAS_FOURTH) == has_fourth
         kind = (words >> bindings.WORD_CLASS_SHIFT) & 31
-        np.testing.assert_array_equal((words >> bindings.WORD_LENGTH_SHIFT) & 31, 2 * (masks[:, 0] >> 28))
+        np.testing.assert_array_equal(
+            (words >> bindings.WORD_LENGTH_SHIFT) & 31, 2 * (masks[:, 0] >> 28)
+        )
         plus_bits = masks[:, 0].astype(np.int64) & ((1 << 28) - 1)
         minus_bits = masks[:, 1].astype(np.int64)
-        nonzeros = np.array([bin(p).count("1") + bin(m).count("1") for p, m in zip(plus_bits, minus_bits)])
+        nonzeros = np.array(
+            [bin(p).count("1") + bin(m).count("1") for p, m in zip(plus_bits, minus_bits)]
+        )
         np.testing.assert_array_equal(kind == bindings.WORD_OVERFLOW_CLASS, nonzeros > 4)
         for entry in np.flatnonzero(nonzeros <= 4)[::97]:
             plus_count, minus_count = divmod(int(kind[entry]), 5)
             fields = [(int(words[entry]) >> (5 * i)) & 31 for i in range(4)]
             assert sum(1 << f for f in fields[:plus_count]) == plus_bits[entry]
-            assert sum(1 << f for f in fields[plus_count:plus_count + minus_count]) == minus_bits[entry]
+            assert (
+                sum(1 << f for f in fields[plus_count : plus_count + minus_count])
+                == minus_bits[entry]
+            )
             assert fields[:plus_count] == sorted(fields[:plus_count])
 
 
@@ -349,8 +356,9 @@ def test_matvec_counts_entries_over_the_flattened_dims(dictionary):
     _assert_close(ops.matvec_reference(stack, x, dictionary, counts), expected, jnp.float32)
     w, dense = _matrix(13, 21)
     y = ops.matvec(w, x[0], dictionary, 4)
-    _assert_close(y, np.where(_in_use(4, 6).reshape(2, 3, 1), np.asarray(x[0]) @ dense.T, 0.0),
-                  jnp.float32)
+    _assert_close(
+        y, np.where(_in_use(4, 6).reshape(2, 3, 1), np.asarray(x[0]) @ dense.T, 0.0), jnp.float32
+    )
 
 
 def test_experts_without_tokens_are_not_read(dictionary):
@@ -358,11 +366,13 @@ def test_experts_without_tokens_are_not_read(dictionary):
     decreasing = np.asarray(stack.row_offsets[1]).copy()
     decreasing[5], decreasing[6] = decreasing[6], decreasing[5]
     narrow, _ = _matrix(13, 19)  # its rows decode to 20 weights, not 22
-    corrupt = CompressedExperts.stack([
-        stack[0],
-        compressed_data.with_arrays(stack[1], row_offsets=decreasing),
-        CompressedMatrix(narrow.codes, narrow.row_offsets, narrow.minmax, 21),
-    ])
+    corrupt = CompressedExperts.stack(
+        [
+            stack[0],
+            compressed_data.with_arrays(stack[1], row_offsets=decreasing),
+            CompressedMatrix(narrow.codes, narrow.row_offsets, narrow.minmax, 21),
+        ]
+    )
     x = np.asarray(_tokens((3, 4, 21), jnp.float32)).copy()
     x[:, 2:] = np.nan  # slots not in use are not read either
     counts = np.array([2, 0, 0], np.int32)
@@ -387,17 +397,28 @@ def test_bad_counts_raise_clear_errors(dictionary):
     with pytest.raises(ValueError, match="counts must be an int32 scalar"):
         ops.matmul(w, x[0], dictionary, np.ones(3, np.int32))
     narrow = np.array([255, 0, 3], np.uint8)  # clamped before the cast to int32
-    _assert_close(ops.matmul(stack, x, dictionary, narrow), _masked_product(x, dense, narrow),
-                  jnp.float32)
+    _assert_close(
+        ops.matmul(stack, x, dictionary, narrow), _masked_product(x, dense, narrow), jnp.float32
+    )
     masks, slots, words = bindings.dictionary_operands(dictionary)
     call = jax.ffi.ffi_call("qmoe_matmul", jax.ShapeDtypeStruct((3, 4, 13), jnp.float32))
     with pytest.raises(Exception, match=r"counts must have shape \[B...\] .* B... = \[3\]"):
-        call(masks, slots, words, stack.codes, stack.row_offsets, stack.minmax, x, np.ones(2, np.int32))
+        call(
+            masks,
+            slots,
+            words,
+            stack.codes,
+            stack.row_offsets,
+            stack.minmax,
+            x,
+            np.ones(2, np.int32),
+        )
 
 
 def test_auto_runs_the_first_instruction_set(dictionary, monkeypatch):
-    """QMOE_CPU_ISA unset or "auto" takes ``cpu_isas()[0]``; the instruction sets add in different orders, so the
-    bits tell which ran (where only one differs from the first, that one is the check)."""
+    """QMOE_CPU_ISA unset or "auto" takes ``cpu_isas()[0]``; the instruction sets add in different
+    orders, so the bits tell which ran (where only one differs from the first, that one is the
+    check)."""
     w, _ = _matrix(19, 300, seed=3)
     x = _tokens((2, 300), jnp.float32)
     results = {}

@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-import qmoe_jax_ext
 from helpers import compressed_data
 from helpers.child_process import run_python
 from helpers.compressed_data import TOLERANCE
@@ -25,6 +24,7 @@ from helpers.compressed_data import cached_matrix as _matrix
 from helpers.compressed_data import tokens as _tokens
 from hypothesis import given, settings
 
+import qmoe_jax_ext
 from qmoe_jax.codec import CompressedMatrix, build_dictionary
 from qmoe_jax.kernels import bindings, ops
 
@@ -119,7 +119,11 @@ def test_random_matrices_match_the_dense_product(rows, cols, tokens, p0, seed):
     _assert_close(ops.matmul(w, x, dictionary), x @ dense.T, jnp.float32)
     g = rng.standard_normal((tokens, rows)).astype(np.float32)
     dx = bindings.matmul_transposed_call(
-        bindings.Static(dictionary, cols), w.codes, w.row_offsets, w.minmax, g,
+        bindings.Static(dictionary, cols),
+        w.codes,
+        w.row_offsets,
+        w.minmax,
+        g,
         bindings.all_tokens(g),
     )
     _assert_close(dx, g @ dense, jnp.float32)
@@ -273,8 +277,9 @@ def test_counts_match_twin_dense_and_cpu(dictionary, dtype, experts, rows, cols,
         y = matmul(stack, x, dictionary, counts)
         _assert_close(y, expected, dtype)
         assert not np.asarray(y, np.float32)[~_in_use(counts, slots)].any()
-        _assert_close(y, _on_cpu(lambda w, x, c: matmul(w, x, dictionary, c), stack, x, counts),
-                      dtype)
+        _assert_close(
+            y, _on_cpu(lambda w, x, c: matmul(w, x, dictionary, c), stack, x, counts), dtype
+        )
         _assert_close(ops.matmul_reference(stack, x, dictionary, counts), expected, dtype)
 
 
@@ -386,7 +391,9 @@ def test_bad_environment_and_shapes_raise(dictionary, monkeypatch):
     ):
         np.asarray(narrow_y(masks, slots, words, w.codes, w.row_offsets, w.minmax, x, counts))
     with pytest.raises(Exception, match=r"counts must have shape \[B...\]"):
-        np.asarray(call(masks, slots, words, w.codes, w.row_offsets, w.minmax, x, np.ones(2, np.int32)))
+        np.asarray(
+            call(masks, slots, words, w.codes, w.row_offsets, w.minmax, x, np.ones(2, np.int32))
+        )
 
 
 FUZZ = textwrap.dedent(
@@ -457,8 +464,8 @@ FUZZ = textwrap.dedent(
         if counts.shape != (3,):
             continue
         x = rng.standard_normal((3, 5, cols)).astype(np.float32)
-        y = call("qmoe_matmul", jax.ShapeDtypeStruct((3, 5, rows), jnp.float32), (masks, slots, words),
-                 *stack, x, counts)
+        shape = jax.ShapeDtypeStruct((3, 5, rows), jnp.float32)
+        y = call("qmoe_matmul", shape, (masks, slots, words), *stack, x, counts)
         in_use = np.arange(5) < np.clip(counts.astype(np.int64), 0, 5)[:, None]
         np.testing.assert_allclose(y, np.where(in_use[..., None], x @ dense.T, 0), rtol=1e-5,
                                    atol=1e-5)

@@ -39,15 +39,20 @@ def test_random_matrices_match_the_dense_product(rows, cols, tokens, count, p0, 
     )
     g = rng.standard_normal((tokens, rows)).astype(np.float32)
     dx = ops.bindings.matmul_transposed_call(
-        ops.bindings.Static(dictionary, cols), w.codes, w.row_offsets, jnp.asarray(w.minmax), g,
+        ops.bindings.Static(dictionary, cols),
+        w.codes,
+        w.row_offsets,
+        jnp.asarray(w.minmax),
+        g,
         np.int32(count),
     )
     np.testing.assert_allclose(dx, np.where(in_use, g @ dense, 0), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(ops.dequantize(w, dictionary), np.float32), dense)
 
 
-FUZZ_PROGRAM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "kernel_fuzz.py")
-
+FUZZ_PROGRAM = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "helpers", "kernel_fuzz.py"
+)
 
 
 @pytest.mark.slow

@@ -50,7 +50,9 @@ SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 def test_expert_parallel_on_four_devices():
-    run = run_python(["-c", SCRIPT], timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    run = run_python(
+        ["-c", SCRIPT], timeout=600, XLA_FLAGS="--xla_force_host_platform_device_count=4"
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["devices"] == 4

@@ -41,15 +41,34 @@ from qmoe_jax.models.layers import relative_position_bucket
 
 # ---------------------------------------------------------------- configs
 
+
 def test_named_configs_follow_design():
     assert set(config_names()) == {
-        "switch-base-8", "switch-base-16", "switch-base-32", "switch-base-64", "switch-base-128",
-        "switch-base-256", "switch-large-128", "switch-xxl-128", "switch-c-2048", "switch-mini-8"}
+        "switch-base-8",
+        "switch-base-16",
+        "switch-base-32",
+        "switch-base-64",
+        "switch-base-128",
+        "switch-base-256",
+        "switch-large-128",
+        "switch-xxl-128",
+        "switch-c-2048",
+        "switch-mini-8",
+    }
     base = get_config("switch-base-128")
-    assert (base.d_model, base.num_heads, base.d_kv, base.d_ff, base.num_experts) == (768, 12, 64, 3072, 128)
+    assert (base.d_model, base.num_heads, base.d_kv, base.d_ff, base.num_experts) == (
+        768,
+        12,
+        64,
+        3072,
+        128,
+    )
     assert base.sparse_layers(decoder=False) == (1, 3, 5, 7, 9, 11)
     assert not base.logits_dense and base.mlp_activations == ("relu",)
-    assert base.checkpoint_path == "gs://t5-data/pretrained_models/t5x/moe/switch_classic/base/e128/checkpoint_550000"
+    assert (
+        base.checkpoint_path
+        == "gs://t5-data/pretrained_models/t5x/moe/switch_classic/base/e128/checkpoint_550000"
+    )
     assert get_config("switch-base-8").checkpoint_step == 500100
     xxl = get_config("switch-xxl-128")
     assert xxl.gated_mlp and xxl.logits_dense and xxl.eval_capacity_factor == 4.0
@@ -59,7 +78,9 @@ def test_named_configs_follow_design():
     mini = get_config("switch-mini-8")
     assert mini.vocab_size == 4224 and mini.vocab_size % 128 == 0
     # Every MLP of the bundled model is sparse (see the config comment for why).
-    assert mini.sparse_layers(decoder=False) == (0, 1, 2, 3) and mini.sparse_layers(decoder=True) == (0, 1, 2, 3)
+    assert mini.sparse_layers(decoder=False) == (0, 1, 2, 3) and mini.sparse_layers(
+        decoder=True
+    ) == (0, 1, 2, 3)
 
 
 def test_get_config_unknown_name_lists_known():
@@ -67,13 +88,16 @@ def test_get_config_unknown_name_lists_known():
         get_config("switch-base-7")
 
 
-@pytest.mark.parametrize("change, message", [
-    (dict(num_encoder_sparse_layers=3), "divide num_encoder_layers"),
-    (dict(mlp_activations=("relu", "gelu", "linear")), "one entry"),
-    (dict(mlp_activations=("swish",)), "unknown activation"),
-    (dict(dtype="float8"), "dtype"),
-    (dict(d_model=0), "d_model must be positive"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(num_encoder_sparse_layers=3), "divide num_encoder_layers"),
+        (dict(mlp_activations=("relu", "gelu", "linear")), "one entry"),
+        (dict(mlp_activations=("swish",)), "unknown activation"),
+        (dict(dtype="float8"), "dtype"),
+        (dict(d_model=0), "d_model must be positive"),
+    ],
+)
 def test_invalid_config_errors(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(TINY, **change)
@@ -88,35 +112,57 @@ def test_config_dict_round_trip():
 
 # ---------------------------------------------------------------- param tree
 
+
 def test_param_tree_is_t5x():
     tree = param_shapes(TINY)
     assert {k: v.shape for k, v in traverse_util.flatten_dict(tree, sep="/").items()} == TINY_TREE
     assert {v.dtype for v in jax.tree.leaves(tree)} == {jnp.dtype(jnp.float32)}
 
 
-@pytest.mark.parametrize("name, count", [
-    ("switch-c-2048", 1_571_327_875_360),  # the Switch paper's 1571B
-    ("switch-mini-8", 9_726_976),
-])
+@pytest.mark.parametrize(
+    "name, count",
+    [
+        ("switch-c-2048", 1_571_327_875_360),  # the Switch paper's 1571B
+        ("switch-mini-8", 9_726_976),
+    ],
+)
 def test_parameter_counts(name, count):
-    assert sum(int(np.prod(p.shape)) for p in jax.tree.leaves(param_shapes(get_config(name)))) == count
+    assert (
+        sum(int(np.prod(p.shape)) for p in jax.tree.leaves(param_shapes(get_config(name)))) == count
+    )
 
 
 @pytest.mark.slow
 def test_initializers_follow_t5x():
-    config = dataclasses.replace(TINY, d_model=64, num_heads=4, d_kv=16, d_ff=96, init_scale=1.0,
-                                 num_encoder_layers=1, num_decoder_layers=1)
+    config = dataclasses.replace(
+        TINY,
+        d_model=64,
+        num_heads=4,
+        d_kv=16,
+        d_ff=96,
+        init_scale=1.0,
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+    )
     model = SwitchTransformer(config)
     encoder_tokens = tokens(0, (1, 4))
-    params = traverse_util.flatten_dict(jax.jit(model.init)(
-        jax.random.PRNGKey(0), encoder_tokens, encoder_tokens, encoder_tokens)["params"], sep="/")
+    params = traverse_util.flatten_dict(
+        jax.jit(model.init)(jax.random.PRNGKey(0), encoder_tokens, encoder_tokens, encoder_tokens)[
+            "params"
+        ],
+        sep="/",
+    )
     std = {k: float(np.std(v)) for k, v in params.items()}
     np.testing.assert_allclose(std["token_embedder/embedding"], 1.0, rtol=0.1)
-    np.testing.assert_allclose(std["encoder/layers_0/mlp/router/router_weights/w/kernel"], 0.02, rtol=0.15)
+    np.testing.assert_allclose(
+        std["encoder/layers_0/mlp/router/router_weights/w/kernel"], 0.02, rtol=0.15
+    )
     # Variance scaling over fan_in; T5X folds 1/sqrt(d_kv) into the query kernel.
-    np.testing.assert_allclose(std["encoder/layers_0/attention/key/kernel"], 64 ** -0.5, rtol=0.1)
-    np.testing.assert_allclose(std["encoder/layers_0/attention/query/kernel"], (64 * 16) ** -0.5, rtol=0.1)
-    np.testing.assert_allclose(std["encoder/layers_0/mlp/expert/wo/kernel"], 96 ** -0.5, rtol=0.1)
+    np.testing.assert_allclose(std["encoder/layers_0/attention/key/kernel"], 64**-0.5, rtol=0.1)
+    np.testing.assert_allclose(
+        std["encoder/layers_0/attention/query/kernel"], (64 * 16) ** -0.5, rtol=0.1
+    )
+    np.testing.assert_allclose(std["encoder/layers_0/mlp/expert/wo/kernel"], 96**-0.5, rtol=0.1)
     assert (params["decoder/decoder_norm/scale"] == 1).all()
 
 
@@ -139,12 +185,28 @@ def test_relative_position_buckets_t5():
     # Bidirectional, 32 buckets: exact for |r| < 8, logarithmic up to 128, then clamped.
     relative = np.array([0, -1, -7, -8, -12, -127, -500, 1, 7, 500])
     assert relative_position_bucket(relative, True, 32, 128).tolist() == [
-        0, 1, 7, 8, 9, 15, 15, 17, 23, 31]
+        0,
+        1,
+        7,
+        8,
+        9,
+        15,
+        15,
+        17,
+        23,
+        31,
+    ]
     # Causal: future positions share bucket 0.
-    assert relative_position_bucket(np.array([3, 0, -1, -20]), False, 32, 128).tolist() == [0, 0, 1, 17]
+    assert relative_position_bucket(np.array([3, 0, -1, -20]), False, 32, 128).tolist() == [
+        0,
+        0,
+        1,
+        17,
+    ]
 
 
 # ---------------------------------------------------------------- MoE
+
 
 def test_num_groups_follows_t5x():
     assert num_groups(4096, 4096, 8, True) == 8
@@ -162,8 +224,15 @@ def test_expert_capacity_rounding():
 
 
 def moe_config(**change):
-    values = dict(d_model=8, d_ff=12, group_size=16, groups_multiple_of_experts=False,
-                  eval_capacity_factor=1.0, train_capacity_factor=2.0, min_expert_capacity=1)
+    values = dict(
+        d_model=8,
+        d_ff=12,
+        group_size=16,
+        groups_multiple_of_experts=False,
+        eval_capacity_factor=1.0,
+        train_capacity_factor=2.0,
+        min_expert_capacity=1,
+    )
     return dataclasses.replace(TINY, **{**values, **change})
 
 
@@ -187,9 +256,17 @@ def expert_mlp(params, expert, x):
 def test_capacity_drops_overflow_tokens(enable_dropout, capacity):
     config = moe_config()
     layer, params = one_expert_params(config, expert=2)
-    x = jnp.asarray(np.random.default_rng(0).uniform(0.1, 1.0, (1, 16, config.d_model)), jnp.float32)
-    out, state = run(layer, params, x, enable_dropout=enable_dropout,
-                             rngs={"dropout": jax.random.PRNGKey(0)}, mutable=("intermediates",))
+    x = jnp.asarray(
+        np.random.default_rng(0).uniform(0.1, 1.0, (1, 16, config.d_model)), jnp.float32
+    )
+    out, state = run(
+        layer,
+        params,
+        x,
+        enable_dropout=enable_dropout,
+        rngs={"dropout": jax.random.PRNGKey(0)},
+        mutable=("intermediates",),
+    )
     out = np.asarray(out[0])
     logits = np.asarray(x[0]).sum(-1, keepdims=True)
     gate = np.exp(logits) / (np.exp(logits) + config.num_experts - 1)
@@ -199,7 +276,9 @@ def test_capacity_drops_overflow_tokens(enable_dropout, capacity):
     metrics = router_metrics(state["intermediates"])
     np.testing.assert_allclose(metrics["fraction_tokens_left_behind"], 1 - capacity / 16, rtol=1e-6)
     # Switch eq. 4: all tokens on expert 2, so loss = E² · (1/E) · mean(P_2) = E · mean(gate).
-    np.testing.assert_allclose(metrics["auxiliary_loss"], config.num_experts * gate.mean(), rtol=1e-5)
+    np.testing.assert_allclose(
+        metrics["auxiliary_loss"], config.num_experts * gate.mean(), rtol=1e-5
+    )
 
 
 def reference_moe(params, x, config, groups, capacity):
@@ -229,21 +308,28 @@ def test_moe_matches_per_token_reference_with_groups_and_drops():
     capacity = expert_capacity(48 // groups, config.num_experts, 0.75, 1)
     assert (groups, capacity) == (4, 2)
     out, state = run(layer, params, x, mutable=("intermediates",))
-    np.testing.assert_allclose(out, reference_moe(params, x, config, groups, capacity), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        out, reference_moe(params, x, config, groups, capacity), rtol=1e-5, atol=1e-6
+    )
     assert router_metrics(state["intermediates"])["fraction_tokens_left_behind"] > 0
 
 
 @pytest.mark.parametrize("batch, length", [(1, 1), (3, 16)])
 def test_gathered_dense_experts_match_the_all_expert_layout(batch, length):
-    """Per-token kernels W[expert_index] against T5X's every-expert-every-slot einsum, drops included."""
+    """Per-token kernels W[expert_index] against T5X's every-expert-every-slot einsum, drops
+    included."""
     config = moe_config(group_size=12, eval_capacity_factor=0.75, min_expert_capacity=1)
     x = jax.random.normal(jax.random.PRNGKey(5), (batch, length, config.d_model))
     params = random_params(MoeLayer(config), x, seed=6)
     params["router"]["router_weights"]["w"]["kernel"] *= 50.0
     einsum = run(MoeLayer(config, functools.partial(MlpExperts, gather_tokens=0)), params, x)
-    gathered = run(MoeLayer(config, functools.partial(MlpExperts, gather_tokens=batch * length)), params, x)
+    gathered = run(
+        MoeLayer(config, functools.partial(MlpExperts, gather_tokens=batch * length)), params, x
+    )
     np.testing.assert_allclose(gathered, einsum, rtol=1e-5, atol=1e-6)
-    assert (np.abs(np.asarray(einsum)).sum(-1) == 0).any() == (batch > 1)  # the larger call drops tokens
+    assert (np.abs(np.asarray(einsum)).sum(-1) == 0).any() == (
+        batch > 1
+    )  # the larger call drops tokens
 
 
 @pytest.mark.slow
@@ -286,6 +372,7 @@ def test_experts_layer_is_pluggable():
 
 # ---------------------------------------------------------------- model behaviour
 
+
 @pytest.mark.slow
 def test_padding_does_not_leak_into_valid_positions():
     model, params, encoder_tokens, targets = init(TINY)
@@ -308,7 +395,12 @@ def test_dropout_is_seeded_and_off_at_eval():
 
     def train(key):
         return run(model, params, *inputs, enable_dropout=True, rngs={"dropout": key})
-    a, b, c = train(jax.random.PRNGKey(1)), train(jax.random.PRNGKey(1)), train(jax.random.PRNGKey(2))
+
+    a, b, c = (
+        train(jax.random.PRNGKey(1)),
+        train(jax.random.PRNGKey(1)),
+        train(jax.random.PRNGKey(2)),
+    )
     np.testing.assert_array_equal(a, b)
     assert np.abs(a - c).max() > 1e-3 and np.abs(a - deterministic).max() > 1e-3
 
@@ -320,6 +412,7 @@ def test_gradients_reach_every_parameter():
     def loss(p):
         logits = model.apply({"params": p}, encoder_tokens, shift_right(targets), targets)
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
     grads = jax.jit(jax.grad(loss))(params)
     for path, grad in traverse_util.flatten_dict(grads, sep="/").items():
         assert bool(jnp.isfinite(grad).all()), path
@@ -337,11 +430,14 @@ def test_bfloat16_run_close_to_float32():
     assert logits.dtype == jnp.float32
     spread = float(jnp.abs(reference).max())
     assert float(jnp.abs(logits - reference).max()) < 0.05 * spread
-    created = jax.eval_shape(SwitchTransformer(config).init, jax.random.PRNGKey(0), *inputs)["params"]
+    created = jax.eval_shape(SwitchTransformer(config).init, jax.random.PRNGKey(0), *inputs)[
+        "params"
+    ]
     assert {p.dtype for p in jax.tree.leaves(created)} == {jnp.dtype(jnp.bfloat16)}
 
 
 # ---------------------------------------------------------------- decoding
+
 
 @pytest.mark.slow
 def test_incremental_decoding_matches_teacher_forcing():
@@ -352,12 +448,20 @@ def test_incremental_decoding_matches_teacher_forcing():
     encoded = run(model, params, encoder_tokens, method="encode")
     cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
     # A 3-token prefill, then one token per step, continuing the same cache.
-    logits, cache = decode_step(model, params, cache, encoded, encoder_tokens, decoder_inputs[:, :3])
+    logits, cache = decode_step(
+        model, params, cache, encoded, encoder_tokens, decoder_inputs[:, :3]
+    )
     steps = [logits]
     for t in range(3, 6):
         # Cross-attention keys/values come from the cache, not from `encoded`.
-        logits, cache = decode_step(model, params, cache, jnp.zeros_like(encoded), encoder_tokens,
-                                    decoder_inputs[:, t:t + 1])
+        logits, cache = decode_step(
+            model,
+            params,
+            cache,
+            jnp.zeros_like(encoded),
+            encoder_tokens,
+            decoder_inputs[:, t : t + 1],
+        )
         steps.append(logits)
     np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
     assert int(cache["decoder"]["cache_index"]) == 6

@@ -1,4 +1,5 @@
-"""GPTQ's native block kernel (xla_ffi/cpu_gptq.h) against its jnp twin, the levels of quant/gptq.py's sweep."""
+"""GPTQ's native block kernel (xla_ffi/cpu_gptq.h) against its jnp twin, the levels of
+quant/gptq.py's sweep."""
 
 import dataclasses
 import importlib
@@ -18,9 +19,11 @@ GRIDS = [GridConfig(), GridConfig("minmax", 2), GridConfig("minmax", 8)]
 
 
 def block_problem(seed: int, m: int, rows: int, grid: GridConfig, dyadic: bool = False):
-    """Operands of one block: W[rows, m], corrections, S (upper triangular, unit diagonal), R_kk and the row grids.
+    """Operands of one block: W[rows, m], corrections, S (upper triangular, unit diagonal), R_kk and
+      the row grids.
 
-    ``dyadic``: every value a small multiple of a power of two, so that every sum either side forms is exact
+    ``dyadic``: every value a small multiple of a power of two, so that every sum either side forms
+      is exact
     and the two must agree bit for bit."""
     rng = np.random.default_rng(seed)
     if dyadic:
@@ -34,8 +37,9 @@ def block_problem(seed: int, m: int, rows: int, grid: GridConfig, dyadic: bool =
         scaled = rng.normal(size=(m, m)) / np.sqrt(m)
         factor_diag = rng.uniform(0.5, 2.0, size=m)
     scaled = np.triu(scaled, 1) + np.eye(m)
-    weights, corrections, scaled, factor_diag = (np.asarray(a, np.float32) for a in
-                                                 (weights, corrections, scaled, factor_diag))
+    weights, corrections, scaled, factor_diag = (
+        np.asarray(a, np.float32) for a in (weights, corrections, scaled, factor_diag)
+    )
     params = grid_params(weights, grid)
     if dyadic and grid.kind == "ternary":  # grid levels on multiples of 1/8
         params = jnp.asarray(np.round(np.asarray(params, np.float32) * 8) / 8, params.dtype)
@@ -45,12 +49,15 @@ def block_problem(seed: int, m: int, rows: int, grid: GridConfig, dyadic: bool =
 
 
 def jnp_levels(weights, corrections, scaled, factor_diag, params, grid):
-    return jax.jit(lambda *a: gptq_module._sweep(*a, params, grid, (1,)))(weights, corrections, scaled, factor_diag)
+    return jax.jit(lambda *a: gptq_module._sweep(*a, params, grid, (1,)))(
+        weights, corrections, scaled, factor_diag
+    )
 
 
 def native(weights, corrections, scaled, factor_diag, params, grid):
-    return jax.jit(lambda *a: gptq_block_call(*a, levels=grid.levels))(weights, corrections, scaled, factor_diag,
-                                                                        params)
+    return jax.jit(lambda *a: gptq_block_call(*a, levels=grid.levels))(
+        weights, corrections, scaled, factor_diag, params
+    )
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")
@@ -61,7 +68,9 @@ def test_exact_sums_give_the_jnp_levels_bits(grid, m, rows):
     ours = native(*operands, grid)
     np.testing.assert_array_equal(np.asarray(ours[1]), np.asarray(twin[1]))  # codes
     np.testing.assert_array_equal(np.asarray(ours[0]), np.asarray(twin[0]))  # residuals
-    np.testing.assert_allclose(np.asarray(ours[2]), np.asarray(twin[2]), rtol=1e-6)  # XLA may fuse e·e + sum
+    np.testing.assert_allclose(
+        np.asarray(ours[2]), np.asarray(twin[2]), rtol=1e-6
+    )  # XLA may fuse e·e + sum
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")
@@ -86,30 +95,38 @@ def test_batches_are_independent_items():
             np.testing.assert_array_equal(np.asarray(part), np.asarray(whole[index]))
 
 
-@pytest.mark.parametrize("grid", GRIDS[:1] + [pytest.param(grid, marks=pytest.mark.slow) for grid in GRIDS[1:]],
-                         ids=lambda g: f"{g.kind}{g.bits or ''}")
-@pytest.mark.parametrize("unroll", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["unrolled", "fori_loop"])
+@pytest.mark.parametrize(
+    "grid",
+    GRIDS[:1] + [pytest.param(grid, marks=pytest.mark.slow) for grid in GRIDS[1:]],
+    ids=lambda g: f"{g.kind}{g.bits or ''}",
+)
+@pytest.mark.parametrize(
+    "unroll", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["unrolled", "fori_loop"]
+)
 def test_gptq_with_the_native_block_matches_the_jnp_sweep(grid, unroll):
     weights, inputs = correlated_problem(11, rows=48, cols=300, rank=40)
     hessian = inputs.T @ inputs
     config = GPTQConfig(block_size=64, unroll_blocks=unroll)
     ours = gptq_jit(weights, hessian, grid=grid, config=config)
-    twin = gptq_jit(weights, hessian, grid=grid, config=dataclasses.replace(config, native_block=False))
+    twin = gptq_jit(
+        weights, hessian, grid=grid, config=dataclasses.replace(config, native_block=False)
+    )
     assert bool(ours.ok) and config.native_block
     assert np.mean(np.asarray(ours.codes) == np.asarray(twin.codes)) >= 0.995
     np.testing.assert_allclose(float(ours.loss), float(twin.loss), rtol=1e-3)
 
 
 def test_every_instruction_set_gives_the_same_bits(tmp_path):
-    """Each product and sum is rounded on its own (cpu_gptq.cc is built with -ffp-contract=off), so a portable
-    build must return what the AVX-512 or AVX2 build of this machine returns."""
+    """Each product and sum is rounded on its own (cpu_gptq.cc is built with -ffp-contract=off), so
+    a portable build must return what the AVX-512 or AVX2 build of this machine returns."""
     grid = GridConfig("minmax", 4)
     operands = block_problem(5, 128, 200, grid)
     np.savez(tmp_path / "operands.npz", *[np.asarray(a, np.float32) for a in operands])
     script = (
         "import numpy as np, jax; from qmoe_jax.kernels.bindings import gptq_block_call; "
         f"a = np.load({str(tmp_path / 'operands.npz')!r}); "
-        "out = jax.jit(lambda *x: gptq_block_call(*x, levels=16))(*[a[f'arr_{i}'] for i in range(5)]); "
+        "out = jax.jit(lambda *x: gptq_block_call(*x, levels=16))(*[a[f'arr_{i}'] for i in "
+        "range(5)]); "
         f"np.savez({str(tmp_path / 'portable.npz')!r}, *[np.asarray(o) for o in out])"
     )
     completed = run_python(["-c", script], timeout=300, QMOE_CPU_ISA="portable")
@@ -127,4 +144,6 @@ def test_bad_operands_raise_clear_errors():
     with pytest.raises(ValueError, match=r"params \[B\.\.\., rows, 2\]"):
         gptq_block_call(weights, corrections, scaled, factor_diag, params[:4], levels=3)
     with pytest.raises(Exception, match="levels must be 3"):
-        jax.block_until_ready(gptq_block_call(weights, corrections, scaled, factor_diag, params, levels=1000))
+        jax.block_until_ready(
+            gptq_block_call(weights, corrections, scaled, factor_diag, params, levels=1000)
+        )

@@ -22,7 +22,9 @@ matrices = hnp.arrays(np.float32, (6, 10), elements=st.floats(-4, 4, width=32))
 def roundtrip(weights, grid):
     params = grid_params(weights, grid)
     dequantized, codes = quantize(weights, params, grid)
-    all_codes = jnp.broadcast_to(jnp.arange(grid.levels, dtype=jnp.uint8), (weights.shape[0], grid.levels))
+    all_codes = jnp.broadcast_to(
+        jnp.arange(grid.levels, dtype=jnp.uint8), (weights.shape[0], grid.levels)
+    )
     levels = dequantize_codes(all_codes, params, grid)
     return params, dequantized, codes, dequantize_codes(codes, params, grid), levels
 
@@ -45,10 +47,14 @@ def test_grid_params_reject_non_matrices():
 
 
 def test_ternary_params_are_bf16_rounded_min_max_including_zero():
-    weights = np.array([[0.1234567, -0.7654321, 0.3], [1.0, 2.0, 3.0], [-1.0, -2.0, -0.5]], np.float32)
+    weights = np.array(
+        [[0.1234567, -0.7654321, 0.3], [1.0, 2.0, 3.0], [-1.0, -2.0, -0.5]], np.float32
+    )
     params = grid_params(weights, TERNARY)
     assert params.dtype == jnp.bfloat16 and params.shape == (3, 2)
-    expected = np.array([[-0.7654321, 0.3], [0.0, 3.0], [-2.0, 0.0]], np.float32).astype(ml_dtypes.bfloat16)
+    expected = np.array([[-0.7654321, 0.3], [0.0, 3.0], [-2.0, 0.0]], np.float32).astype(
+        ml_dtypes.bfloat16
+    )
     np.testing.assert_array_equal(np.asarray(params), expected)
 
 
@@ -99,7 +105,9 @@ def test_quantize_lands_on_nearest_level_and_codes_decode_exactly(weights):
         assert int(codes.max()) < grid.levels
         np.testing.assert_array_equal(np.asarray(decoded), np.asarray(dequantized))
         distance = jnp.abs(weights[:, :, None] - levels[:, None, :]).min(-1)
-        np.testing.assert_allclose(np.asarray(jnp.abs(weights - dequantized)), np.asarray(distance), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(jnp.abs(weights - dequantized)), np.asarray(distance), rtol=1e-6, atol=1e-6
+        )
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")

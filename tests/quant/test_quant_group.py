@@ -17,13 +17,17 @@ TERNARY = GridConfig()
 def test_group_equals_a_loop_over_experts_and_flags_fallbacks(sequential):
     weights, hessians, tokens = expert_group(6)
     result = quantize_expert_group(weights, hessians, tokens, TERNARY, sequential=sequential)
-    np.testing.assert_array_equal(np.asarray(result.fallback), [False, True, True, True, False, False])
+    np.testing.assert_array_equal(
+        np.asarray(result.fallback), [False, True, True, True, False, False]
+    )
     assert result.codes.shape == (6, 32, 160) and result.codes.dtype == jnp.uint8
     assert result.grid_params.shape == (6, 32, 2) and result.grid_params.dtype == jnp.bfloat16
     for e in (0, 4, 5):
         single = gptq_jit(weights[e], hessians[e], grid=TERNARY)
         np.testing.assert_array_equal(np.asarray(result.codes[e]), np.asarray(single.codes))
-        np.testing.assert_array_equal(np.asarray(result.grid_params[e]), np.asarray(single.grid_params))
+        np.testing.assert_array_equal(
+            np.asarray(result.grid_params[e]), np.asarray(single.grid_params)
+        )
         np.testing.assert_allclose(float(result.loss[e]), float(single.loss), rtol=1e-5)
     for e in (1, 2, 3):
         codes, params = rtn(weights[e], TERNARY)
@@ -56,8 +60,10 @@ SHARDED_SCRIPT = textwrap.dedent("""
         if num_experts == 8:
             assert len(result.codes.sharding.device_set) == 4, result.codes.sharding
         for name, value in result._asdict().items():
-            out[f"{{name}}_{{num_experts}}"] = np.asarray(value, np.float32 if name == "grid_params" else None)
-    one_device = quantize_expert_group(*expert_group(6), GridConfig(), mesh=expert_mesh(jax.devices()[:1]))
+            dtype = np.float32 if name == "grid_params" else None
+            out[f"{{name}}_{{num_experts}}"] = np.asarray(value, dtype)
+    one_mesh = expert_mesh(jax.devices()[:1])
+    one_device = quantize_expert_group(*expert_group(6), GridConfig(), mesh=one_mesh)
     out["codes_6_mesh1"] = np.asarray(one_device.codes)
     vmapped = quantize_expert_group(*expert_group(8), GridConfig(), sequential=False)
     out["codes_8_vmapped"] = np.asarray(vmapped.codes)
@@ -68,8 +74,12 @@ SHARDED_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_sharded_over_four_devices_is_bit_identical_to_one_device(tmp_path):
     path = str(tmp_path / "sharded.npz")
-    completed = run_python(["-c", SHARDED_SCRIPT.format(path=path)], timeout=600, JAX_PLATFORMS="cpu",
-                           XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    completed = run_python(
+        ["-c", SHARDED_SCRIPT.format(path=path)],
+        timeout=600,
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     sharded = np.load(path)
     for num_experts in (6, 8):
@@ -90,8 +100,15 @@ def test_cpus_run_a_groups_experts_one_after_another():
     assert default_sequential([Device("cpu")] * 2) and not default_sequential([Device("gpu")])
     # the sequential program loops over the experts; the vmapped one has no loop at the expert level
     weights, hessians, tokens = expert_group(4)
-    lowered = {sequential: jax.jit(lambda w, h, t, sequential=sequential: gptq_experts(
-        w, h, t, TERNARY, GPTQConfig(block_size=32), sequential=sequential)).lower(weights, hessians, tokens).as_text()
-        for sequential in (True, False)}
+    lowered = {
+        sequential: jax.jit(
+            lambda w, h, t, sequential=sequential: gptq_experts(
+                w, h, t, TERNARY, GPTQConfig(block_size=32), sequential=sequential
+            )
+        )
+        .lower(weights, hessians, tokens)
+        .as_text()
+        for sequential in (True, False)
+    }
     assert "stablehlo.while" in lowered[True]
     assert lowered[True].count("stablehlo.while") > lowered[False].count("stablehlo.while")

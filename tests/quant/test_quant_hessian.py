@@ -22,7 +22,9 @@ def test_masked_tokens_contribute_nothing_even_when_not_finite():
     mask = np.arange(20) % 3 != 0
     poisoned = tokens.copy()
     poisoned[~mask] = np.nan
-    np.testing.assert_array_equal(np.asarray(hessian(poisoned, mask)), np.asarray(hessian(tokens, mask)))
+    np.testing.assert_array_equal(
+        np.asarray(hessian(poisoned, mask)), np.asarray(hessian(tokens, mask))
+    )
     np.testing.assert_array_equal(np.asarray(hessian(tokens, np.zeros(20, bool))), 0.0)
 
 
@@ -32,7 +34,7 @@ def test_accumulating_in_chunks_equals_one_batch_and_bf16_is_computed_in_f32():
     mask = jnp.ones(64, bool)
     running = jnp.zeros((16, 16), jnp.float32)
     for start in range(0, 64, 16):
-        running = accumulate_hessian(running, tokens[start:start + 16], mask[start:start + 16])
+        running = accumulate_hessian(running, tokens[start : start + 16], mask[start : start + 16])
     exact = np.asarray(tokens, np.float64).T @ np.asarray(tokens, np.float64)
     np.testing.assert_allclose(np.asarray(running), exact, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(np.asarray(hessian(tokens, mask)), exact, rtol=1e-5, atol=1e-4)
@@ -54,7 +56,9 @@ def test_expert_hessians_match_each_expert_and_count_tokens():
     hessians, counts = jax.jit(expert_hessians)(tokens, mask)
     np.testing.assert_array_equal(np.asarray(counts), [7, 0, 5])
     for e in range(3):
-        np.testing.assert_allclose(np.asarray(hessians[e]), np.asarray(hessian(tokens[e], mask[e])), rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(
+            np.asarray(hessians[e]), np.asarray(hessian(tokens[e], mask[e])), rtol=1e-6, atol=1e-6
+        )
 
 
 def test_token_cap_is_four_times_the_layer_mean_floored_and_at_least_one():
@@ -64,9 +68,18 @@ def test_token_cap_is_four_times_the_layer_mean_floored_and_at_least_one():
 
 
 def test_cap_tokens_keeps_the_first_admitted_tokens_in_buffer_order():
-    mask = jnp.array([[True, False, True, True, True, False, True],
-                      [False, False, True, False, False, False, False]])
+    mask = jnp.array(
+        [
+            [True, False, True, True, True, False, True],
+            [False, False, True, False, False, False, False],
+        ]
+    )
     capped = jax.jit(cap_tokens)(mask, 3)
-    np.testing.assert_array_equal(np.asarray(capped), [[True, False, True, True, False, False, False],
-                                                       [False, False, True, False, False, False, False]])
+    np.testing.assert_array_equal(
+        np.asarray(capped),
+        [
+            [True, False, True, True, False, False, False],
+            [False, False, True, False, False, False, False],
+        ],
+    )
     np.testing.assert_array_equal(np.asarray(cap_tokens(mask, 100)), np.asarray(mask))

@@ -16,28 +16,43 @@ from qmoe_jax.quant.linalg import (
 
 
 def _reversed_as_lower(factor):
-    """reversed_cholesky seen as a lower Cholesky: J·R(J·A·J)·J is the L of A (J reverses rows or columns), with
-    the same failure columns, batch behaviour and triangle read, so every test below runs on both."""
+    """reversed_cholesky seen as a lower Cholesky: J·R(J·A·J)·J is the L of A (J reverses rows or
+      columns), with
+    the same failure columns, batch behaviour and triangle read, so every test below runs on both.
+    """
     return lambda matrices: factor(np.asarray(matrices)[..., ::-1, ::-1])[..., ::-1, ::-1]
 
 
 def _variants(factor, name):
-    """The factor with its diagonal blocks in the CPU kernel (the default) and in the jnp loop (its twin)."""
-    return {name: functools.partial(factor, native=True), f"{name}_jnp": functools.partial(factor, native=False)}
+    """The factor with its diagonal blocks in the CPU kernel (the default) and in the jnp loop (its
+    twin)."""
+    return {
+        name: functools.partial(factor, native=True),
+        f"{name}_jnp": functools.partial(factor, native=False),
+    }
 
 
-_FUNCTIONS = {**_variants(cholesky, "cholesky"), **_variants(reversed_cholesky, "reversed_cholesky")}
-_AS_LOWER = {name: _reversed_as_lower if name.startswith("reversed") else (lambda factor: factor)
-             for name in _FUNCTIONS}
+_FUNCTIONS = {
+    **_variants(cholesky, "cholesky"),
+    **_variants(reversed_cholesky, "reversed_cholesky"),
+}
+_AS_LOWER = {
+    name: _reversed_as_lower if name.startswith("reversed") else (lambda factor: factor)
+    for name in _FUNCTIONS
+}
 FACTORS = {name: _AS_LOWER[name](jax.jit(function)) for name, function in _FUNCTIONS.items()}
-BATCHED = {name: _AS_LOWER[name](jax.jit(jax.vmap(function))) for name, function in _FUNCTIONS.items()}
+BATCHED = {
+    name: _AS_LOWER[name](jax.jit(jax.vmap(function))) for name, function in _FUNCTIONS.items()
+}
 factors = pytest.mark.parametrize("name", list(FACTORS))
 
 
 def spd_matrix(size: int, seed: int = 0) -> np.ndarray:
     """A damped Gram matrix XᵀX + 0.1·mean(diag)·I, like GPTQ's Hessians (condition number ~10³)."""
     rng = np.random.default_rng(seed)
-    inputs = rng.normal(size=(size + 16, 8)) @ rng.normal(size=(8, size)) + 0.3 * rng.normal(size=(size + 16, size))
+    inputs = rng.normal(size=(size + 16, 8)) @ rng.normal(size=(8, size)) + 0.3 * rng.normal(
+        size=(size + 16, size)
+    )
     gram = inputs.T @ inputs
     return (gram + 0.1 * np.mean(np.diag(gram)) * np.eye(size)).astype(np.float32)
 
@@ -59,15 +74,20 @@ def test_cholesky_matches_float64_lapack(name, size):
 def test_cholesky_reads_only_the_lower_triangle(name):  # reversed_cholesky: the upper one
     matrix = spd_matrix(200)
     scrambled = np.tril(matrix) + np.triu(np.full_like(matrix, np.nan), 1)
-    np.testing.assert_array_equal(np.asarray(FACTORS[name](scrambled)), np.asarray(FACTORS[name](matrix)))
+    np.testing.assert_array_equal(
+        np.asarray(FACTORS[name](scrambled)), np.asarray(FACTORS[name](matrix))
+    )
 
 
 @factors
 def test_vmapped_cholesky_is_batch_invariant(name):
-    """Each matrix gets the same bits alone, in a batch of 3 and in a batch of 8 (what sharding relies on)."""
+    """Each matrix gets the same bits alone, in a batch of 3 and in a batch of 8 (what sharding
+    relies on)."""
     matrices = np.stack([spd_matrix(2 * BASE_SIZE + 22, seed) for seed in range(8)])  # three blocks
     batch_of_8 = np.asarray(BATCHED[name](matrices))
-    batches_of_3 = np.concatenate([np.asarray(BATCHED[name](matrices[i : i + 3])) for i in range(0, 8, 3)])
+    batches_of_3 = np.concatenate(
+        [np.asarray(BATCHED[name](matrices[i : i + 3])) for i in range(0, 8, 3)]
+    )
     alone = np.stack([np.asarray(FACTORS[name](m)) for m in matrices])
     np.testing.assert_array_equal(batch_of_8, batches_of_3)
     np.testing.assert_array_equal(batch_of_8, alone)
@@ -88,8 +108,12 @@ def test_not_positive_definite_gives_nans_from_the_failing_column_on(name, faili
 def test_failures_stay_inside_their_batch_item(name):
     good = spd_matrix(150)
     rotation, _ = np.linalg.qr(np.random.default_rng(1).normal(size=(150, 150)))
-    indefinite = (rotation * np.r_[np.ones(149), -1.0]) @ rotation.T  # one negative eigenvalue, nothing on the diagonal
-    batch = np.stack([good, indefinite, np.zeros_like(good), np.full_like(good, np.nan), good]).astype(np.float32)
+    indefinite = (
+        rotation * np.r_[np.ones(149), -1.0]
+    ) @ rotation.T  # one negative eigenvalue, nothing on the diagonal
+    batch = np.stack(
+        [good, indefinite, np.zeros_like(good), np.full_like(good, np.nan), good]
+    ).astype(np.float32)
     lower = np.asarray(BATCHED[name](batch))
     assert [bool(np.isfinite(item).all()) for item in lower] == [True, False, False, False, True]
     np.testing.assert_array_equal(lower[0], np.asarray(FACTORS[name](good)))
@@ -98,7 +122,9 @@ def test_failures_stay_inside_their_batch_item(name):
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 128, 513])
 def test_pairwise_sum_is_a_sum(size):
     values = np.random.default_rng(size).normal(size=size).astype(np.float32)
-    np.testing.assert_allclose(float(jax.jit(pairwise_sum)(values)), math.fsum(values.tolist()), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        float(jax.jit(pairwise_sum)(values)), math.fsum(values.tolist()), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_pairwise_sum_is_batch_invariant_where_jnp_sum_need_not_be():
@@ -126,7 +152,8 @@ def test_cholesky_rejects_batches(factor):
 @pytest.mark.parametrize("name", list(_FUNCTIONS))
 @pytest.mark.parametrize("size", [7, BASE_SIZE, 300])
 def test_a_given_diagonal_factors_like_the_matrix_with_it_written_in(name, size):
-    """GPTQ damps H's diagonal through ``diagonal`` instead of copying H: the bits must be the same."""
+    """GPTQ damps H's diagonal through ``diagonal`` instead of copying H: the bits must be the
+    same."""
     matrix = spd_matrix(size, seed=size)
     diagonal = (np.diag(matrix) * np.float32(1.25) + 1).astype(np.float32)
     written = matrix.copy()

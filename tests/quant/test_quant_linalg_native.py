@@ -1,5 +1,5 @@
-"""The Cholesky's native kernel for its diagonal blocks (xla_ffi/cpu_cholesky.h) against its jnp twin,
-quant/linalg.py's ``_base_factor``."""
+"""The Cholesky's native kernel for its diagonal blocks (xla_ffi/cpu_cholesky.h) against its jnp
+twin, quant/linalg.py's ``_base_factor``."""
 
 import importlib
 
@@ -29,16 +29,21 @@ def spd_block(size: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("size", [1, 2, 17, 64, 128])
 def test_exact_sums_give_the_twins_bits(size):
-    """A = L0·L0ᵀ with L0 unit lower triangular and small integer entries: every pivot is 1 and every sum is an
-    exact integer either way, so both must return L0 and its (integer) inverse bit for bit."""
+    """A = L0·L0ᵀ with L0 unit lower triangular and small integer entries: every pivot is 1 and
+    every sum is an exact integer either way, so both must return L0 and its (integer) inverse bit
+    for bit."""
     rng = np.random.default_rng(size)
-    unit = np.tril(rng.integers(-1, 2, size=(size, size)) * (rng.random((size, size)) < 4 / size), -1)
+    unit = np.tril(
+        rng.integers(-1, 2, size=(size, size)) * (rng.random((size, size)) < 4 / size), -1
+    )
     unit = (unit + np.eye(size)).astype(np.float32)
     matrix = unit @ unit.T
     assert np.abs(matrix).max() < 2**24  # exact in float32
     lower, inverse = (np.asarray(part) for part in native(matrix))
     np.testing.assert_array_equal(lower, unit)
-    np.testing.assert_array_equal(inverse, np.round(np.linalg.inv(unit.astype(np.float64))).astype(np.float32))
+    np.testing.assert_array_equal(
+        inverse, np.round(np.linalg.inv(unit.astype(np.float64))).astype(np.float32)
+    )
     for ours, theirs in zip((lower, inverse), twin(matrix)):
         np.testing.assert_array_equal(ours, np.asarray(theirs))
 
@@ -106,8 +111,8 @@ def test_gptq_with_the_kernel_matches_gptq_without_it():
 
 
 def test_every_instruction_set_gives_the_same_bits(tmp_path):
-    """Each product and sum is rounded on its own (cpu_cholesky.cc is built with -ffp-contract=off), so a
-    portable build must return what the AVX-512 or AVX2 build of this machine returns."""
+    """Each product and sum is rounded on its own (cpu_cholesky.cc is built with -ffp-contract=off),
+    so a portable build must return what the AVX-512 or AVX2 build of this machine returns."""
     matrix = spd_block(128, seed=11)
     np.save(tmp_path / "matrix.npy", matrix)
     script = (
@@ -128,17 +133,26 @@ def test_bad_operands_raise_clear_errors():
     result = jax.ShapeDtypeStruct((4, 4), jnp.float32)
     wrong = jax.ShapeDtypeStruct((4, 3), jnp.float32)
     with pytest.raises(Exception, match="lower and inverse must have the matrix's shape"):
-        jax.block_until_ready(jax.ffi.ffi_call(CHOLESKY_BASE, (result, wrong))(np.eye(4, dtype=np.float32)))
+        jax.block_until_ready(
+            jax.ffi.ffi_call(CHOLESKY_BASE, (result, wrong))(np.eye(4, dtype=np.float32))
+        )
 
 
 def test_the_kernel_runs_inside_shard_map_with_its_type_checks():
-    """ffi_call results carry no varying mesh axes; inside shard_map (default check_vma) the kernel's results are
-    cast to its operand's varying axes, else lax.platform_dependent rejects its two branches as different types."""
+    """ffi_call results carry no varying mesh axes; inside shard_map (default check_vma) the
+    kernel's results are cast to its operand's varying axes, else lax.platform_dependent rejects its
+    two branches as different types."""
     from jax.sharding import Mesh, PartitionSpec
 
     matrices = np.stack([spd_block(150, seed) for seed in range(2)])
     mesh = Mesh(np.asarray(jax.devices()[:1]), ("expert",))
-    factor = jax.jit(jax.shard_map(jax.vmap(reversed_cholesky), mesh=mesh, in_specs=PartitionSpec("expert"),
-                                   out_specs=PartitionSpec("expert")))
+    factor = jax.jit(
+        jax.shard_map(
+            jax.vmap(reversed_cholesky),
+            mesh=mesh,
+            in_specs=PartitionSpec("expert"),
+            out_specs=PartitionSpec("expert"),
+        )
+    )
     unsharded = jax.jit(jax.vmap(reversed_cholesky))(matrices)
     np.testing.assert_array_equal(np.asarray(factor(matrices)), np.asarray(unsharded))

@@ -15,9 +15,13 @@ def test_rtn_rounds_every_weight_to_its_nearest_level(grid):
     assert codes.shape == weights.shape and codes.dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(params), np.asarray(grid_params(weights, grid)))
     decoded = dequantize_codes(codes, params, grid)
-    levels = dequantize_codes(jnp.broadcast_to(jnp.arange(grid.levels, dtype=jnp.uint8), (16, grid.levels)), params, grid)
+    levels = dequantize_codes(
+        jnp.broadcast_to(jnp.arange(grid.levels, dtype=jnp.uint8), (16, grid.levels)), params, grid
+    )
     nearest = jnp.abs(weights[:, :, None] - levels[:, None, :]).min(-1)
-    np.testing.assert_allclose(np.asarray(jnp.abs(weights - decoded)), np.asarray(nearest), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(jnp.abs(weights - decoded)), np.asarray(nearest), atol=1e-6
+    )
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=lambda g: f"{g.kind}{g.bits or ''}")
@@ -33,5 +37,7 @@ def test_rtn_equals_gptq_with_identity_hessian(grid):
 def test_rtn_equals_gptq_with_identity_hessian_under_act_order_and_small_blocks():
     weights, _ = correlated_problem(2)
     codes, _ = rtn(weights, GridConfig())
-    result = gptq_jit(weights, jnp.eye(160), grid=GridConfig(), config=GPTQConfig(block_size=32, act_order=True))
+    result = gptq_jit(
+        weights, jnp.eye(160), grid=GridConfig(), config=GPTQConfig(block_size=32, act_order=True)
+    )
     np.testing.assert_array_equal(np.asarray(result.codes), np.asarray(codes))

@@ -1,5 +1,6 @@
-"""Fine-tuning compressed models: the trainable split, expert LoRA, tasks, the run directory, resume after kill -9,
-the compressed and T5X outputs and their readers, and data parallelism over 4 host devices."""
+"""Fine-tuning compressed models: the trainable split, expert LoRA, tasks, the run directory, resume
+after kill -9, the compressed and T5X outputs and their readers, and data parallelism over 4 host
+devices."""
 
 import dataclasses
 import json
@@ -34,7 +35,8 @@ WATCHDOG_SECONDS = 600
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory, tiny_tokenizer):
-    """(T5X checkpoint, compressed directory, config JSON, jsonl task, tokenizer path) of the tiny model."""
+    """(T5X checkpoint, compressed directory, config JSON, jsonl task, tokenizer path) of the tiny
+    model."""
     root = tmp_path_factory.mktemp("finetune")
     checkpoint, compressed = write_tiny_compressed(root, tiny_tokenizer.model_path)
     config = root / "tiny.json"
@@ -49,9 +51,19 @@ def tiny(tmp_path_factory, tiny_tokenizer):
 
 def options_for(tiny, output_dir, **overrides) -> FinetuneOptions:
     _, compressed, _, task, tokenizer = tiny
-    settings = dict(checkpoint=compressed, task=task, tokenizer=tokenizer, output_dir=str(output_dir), steps=4,
-                    batch_size=8, inputs_length=32, eval_examples=16, eval_every=2, checkpoint_every=2,
-                    learning_rate=3e-3)
+    settings = dict(
+        checkpoint=compressed,
+        task=task,
+        tokenizer=tokenizer,
+        output_dir=str(output_dir),
+        steps=4,
+        batch_size=8,
+        inputs_length=32,
+        eval_examples=16,
+        eval_every=2,
+        checkpoint_every=2,
+        learning_rate=3e-3,
+    )
     settings.update(overrides)
     return FinetuneOptions(**settings)
 
@@ -74,14 +86,19 @@ def test_default_trainable_parts_leave_out_every_expert_array(tiny):
     assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(trainable))
     stacks = [leaf for leaf in flatten(frozen).values() if isinstance(leaf, CompressedExperts)]
     assert len(stacks) == 4  # wi and wo of the encoder's and the decoder's sparse layer
-    assert select_trainable(params, ["attention/query"]) == sorted(p for p in chosen if "attention/query" in p)
+    assert select_trainable(params, ["attention/query"]) == sorted(
+        p for p in chosen if "attention/query" in p
+    )
 
 
-@pytest.mark.parametrize("pattern, message", [
-    ("expert/wi", "matches only frozen compressed experts"),
-    ("no_such_layer", "matches no parameter"),
-    ("(", "is not a regular expression"),
-])
+@pytest.mark.parametrize(
+    "pattern, message",
+    [
+        ("expert/wi", "matches only frozen compressed experts"),
+        ("no_such_layer", "matches no parameter"),
+        ("(", "is not a regular expression"),
+    ],
+)
 def test_a_trainable_pattern_that_selects_nothing_trainable_is_refused(tiny, pattern, message):
     params = open_model(tiny[1]).params
     with pytest.raises(ValueError, match=message):
@@ -90,14 +107,18 @@ def test_a_trainable_pattern_that_selects_nothing_trainable_is_refused(tiny, pat
 
 @pytest.mark.slow
 def test_expert_lora_is_the_dense_product_with_adapters_folded_in(tiny):
-    """Random adapters (B non-zero): the fused-kernel model with adapters gives the logits of the dequantized
-    model with W + (B A)ᵀ in its kernels; with B = 0 the adapters change nothing."""
+    """Random adapters (B non-zero): the fused-kernel model with adapters gives the logits of the
+    dequantized model with W + (B A)ᵀ in its kernels; with B = 0 the adapters change nothing."""
     compressed = open_model(tiny[1])
     tokens = jnp.asarray(np.random.default_rng(0).integers(3, 60, (4, 16)), jnp.int32)
     baseline = compressed.module.apply({"params": compressed.params}, tokens, tokens, tokens)
     zero = add_expert_adapters(compressed.params, 2, jax.random.PRNGKey(0))
-    np.testing.assert_allclose(compressed.module.apply({"params": zero}, tokens, tokens, tokens), baseline,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        compressed.module.apply({"params": zero}, tokens, tokens, tokens),
+        baseline,
+        rtol=1e-6,
+        atol=1e-6,
+    )
     flat = flatten(zero)
     for path in [p for p in flat if p.endswith("/b")]:
         flat[path] = jax.random.normal(jax.random.PRNGKey(len(path)), flat[path].shape) * 0.05
@@ -111,7 +132,9 @@ def test_expert_lora_is_the_dense_product_with_adapters_folded_in(tiny):
         expert, _, rest = path.partition("/lora/")
         kernel = rest.split("/")[0]
         adapter = {"a": flat[path], "b": flat[path[:-1] + "b"]}
-        dense_flat[f"{expert}/{kernel}/kernel"] = merged_kernel(dense_flat[f"{expert}/{kernel}/kernel"], adapter)
+        dense_flat[f"{expert}/{kernel}/kernel"] = merged_kernel(
+            dense_flat[f"{expert}/{kernel}/kernel"], adapter
+        )
     expected = dense.module().apply({"params": unflatten(dense_flat)}, tokens, tokens, tokens)
     got = compressed.module.apply({"params": adapted}, tokens, tokens, tokens)
     assert not np.allclose(got, baseline, atol=1e-3)
@@ -141,53 +164,94 @@ def test_name_the_work_split_shares_no_passage():
 
 
 @pytest.mark.slow
-def test_finetune_with_expert_lora_writes_a_compressed_checkpoint_the_readers_load(tiny, tmp_path, capsys):
-    options = options_for(tiny, tmp_path / "run", expert_lora_rank=2, accumulate=2, dropout_rate=0.1)
+def test_finetune_with_expert_lora_writes_a_compressed_checkpoint_the_readers_load(
+    tiny, tmp_path, capsys
+):
+    options = options_for(
+        tiny, tmp_path / "run", expert_lora_rank=2, accumulate=2, dropout_rate=0.1
+    )
     summary = finetune(options, log=lambda _: None, progress=False)
     model = str(tmp_path / "run" / "model")
     assert summary["model"] == model
     records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in records] == [0, 2, 4]
-    assert {"validation_loss", "validation_token_accuracy", "validation_exact_match"} <= records[-1].keys()
+    assert {"validation_loss", "validation_token_accuracy", "validation_exact_match"} <= records[
+        -1
+    ].keys()
     assert records[-1]["validation_loss"] < records[0]["validation_loss"]
     assert os.path.getsize(tmp_path / "run" / "metrics.png") > 0
 
     source, tuned = CompressedCheckpoint(tiny[1]), CompressedCheckpoint(model)
     assert tuned.complete and tuned.header["finetune"]["expert_lora_rank"] == 2
     for name in source.layer_names():  # the expert codes are the source's, bit for bit
-        assert tuned.manifest["layers"][name]["checksums"] == source.manifest["layers"][name]["checksums"]
+        assert (
+            tuned.manifest["layers"][name]["checksums"]
+            == source.manifest["layers"][name]["checksums"]
+        )
     adapters = tuned.adapters()
     assert sorted(adapters) == sorted(source.layer_names())
-    assert any(np.abs(adapter["b"]).max() > 0 for kernels in adapters.values() for adapter in kernels.values())
+    assert any(
+        np.abs(adapter["b"]).max() > 0
+        for kernels in adapters.values()
+        for adapter in kernels.values()
+    )
     original, new = source.dense_params(), tuned.dense_params()
-    assert not np.allclose(np.asarray(original["token_embedder"]["embedding"], np.float32),
-                           new["token_embedder"]["embedding"])
+    assert not np.allclose(
+        np.asarray(original["token_embedder"]["embedding"], np.float32),
+        new["token_embedder"]["embedding"],
+    )
 
-    # Both forms of the fine-tuned model (adapters applied by the kernels, or folded into dense kernels) agree.
+    # Both forms of the fine-tuned model (adapters applied by the kernels, or folded into dense
+    # kernels) agree.
     compressed, dense = open_model(model), open_model(model, experts="dense")
     tokens = jnp.asarray(np.random.default_rng(1).integers(3, 60, (4, 16)), jnp.int32)
-    np.testing.assert_allclose(compressed.module.apply({"params": compressed.params}, tokens, tokens, tokens),
-                               dense.module.apply({"params": dense.params}, tokens, tokens, tokens),
-                               rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(
+        compressed.module.apply({"params": compressed.params}, tokens, tokens, tokens),
+        dense.module.apply({"params": dense.params}, tokens, tokens, tokens),
+        rtol=2e-4,
+        atol=2e-4,
+    )
     assert sorted(os.listdir(tmp_path / "run" / "train_state")) == ["2", "4"]
 
-    evaluate_cli.main(["--checkpoint", model, "--tokenizer", options.tokenizer, "--num_samples", "4",
-                       "--inputs_length", "32"])
+    evaluate_cli.main(
+        [
+            "--checkpoint",
+            model,
+            "--tokenizer",
+            options.tokenizer,
+            "--num_samples",
+            "4",
+            "--inputs_length",
+            "32",
+        ]
+    )
     assert json.loads(capsys.readouterr().out)["experts"] == "compressed"
 
 
 @pytest.mark.slow
 def test_t5x_input_gives_a_t5x_output_in_bfloat16_activations(tiny, tmp_path):
     checkpoint, _, config, *_ = tiny
-    options = options_for(tiny, tmp_path / "run", checkpoint=checkpoint, config=config, steps=2,
-                          activations="bfloat16", trainable=("attention", "router"))
+    options = options_for(
+        tiny,
+        tmp_path / "run",
+        checkpoint=checkpoint,
+        config=config,
+        steps=2,
+        activations="bfloat16",
+        trainable=("attention", "router"),
+    )
     summary = finetune(options, log=lambda _: None, progress=False)
     assert summary["model"].endswith(os.path.join("model", "checkpoint_2"))
     opened = open_model(summary["model"], TINY)
     assert opened.kind == "t5x"
     with pytest.raises(ValueError, match="needs compressed experts"):
-        finetune(options_for(tiny, tmp_path / "lora", checkpoint=checkpoint, config=config, expert_lora_rank=2),
-                 log=lambda _: None, progress=False)
+        finetune(
+            options_for(
+                tiny, tmp_path / "lora", checkpoint=checkpoint, config=config, expert_lora_rank=2
+            ),
+            log=lambda _: None,
+            progress=False,
+        )
 
 
 @pytest.mark.slow
@@ -198,7 +262,9 @@ def test_resume_with_other_settings_is_refused_and_a_complete_run_is_not_redone(
     assert finetune(options, log=lines.append, progress=False) == json.loads(json.dumps(first))
     assert "already complete" in lines[-1]
     with pytest.raises(ResumeMismatchError, match="learning_rate: 0.003 before, 0.001 now"):
-        finetune(dataclasses.replace(options, learning_rate=1e-3), log=lambda _: None, progress=False)
+        finetune(
+            dataclasses.replace(options, learning_rate=1e-3), log=lambda _: None, progress=False
+        )
 
 
 def _dense_checksums(directory: str) -> dict:
@@ -206,11 +272,15 @@ def _dense_checksums(directory: str) -> dict:
 
 
 @pytest.mark.slow
-def test_kill_9_then_the_same_command_resumes_and_ends_where_an_uninterrupted_run_ends(tiny, tmp_path):
-    """A child fine-tunes with a checkpoint every step; it is SIGKILLed once step 3 is saved, and the same
-    command finishes the run from there, to the parameters of a run that was never interrupted."""
-    options = options_for(tiny, tmp_path / "killed", steps=8, checkpoint_every=1, eval_every=4,
-                          expert_lora_rank=2)
+def test_kill_9_then_the_same_command_resumes_and_ends_where_an_uninterrupted_run_ends(
+    tiny, tmp_path
+):
+    """A child fine-tunes with a checkpoint every step; it is SIGKILLed once step 3 is saved, and
+    the same command finishes the run from there, to the parameters of a run that was never
+    interrupted."""
+    options = options_for(
+        tiny, tmp_path / "killed", steps=8, checkpoint_every=1, eval_every=4, expert_lora_rank=2
+    )
     args = ["-m", "qmoe_jax.finetune", *cli_args(options)]
     child = popen_python(args, JAX_PLATFORMS="cpu")
     state = tmp_path / "killed" / "train_state"
@@ -234,21 +304,46 @@ def test_kill_9_then_the_same_command_resumes_and_ends_where_an_uninterrupted_ru
     steps = [json.loads(line)["step"] for line in open(tmp_path / "killed" / "metrics.jsonl")]
     assert steps == [0, 4, 8]
 
-    straight = run_python(["-m", "qmoe_jax.finetune", *cli_args(dataclasses.replace(
-        options, output_dir=str(tmp_path / "straight")))], timeout=WATCHDOG_SECONDS, JAX_PLATFORMS="cpu")
+    straight = run_python(
+        [
+            "-m",
+            "qmoe_jax.finetune",
+            *cli_args(dataclasses.replace(options, output_dir=str(tmp_path / "straight"))),
+        ],
+        timeout=WATCHDOG_SECONDS,
+        JAX_PLATFORMS="cpu",
+    )
     assert straight.returncode == 0, straight.stderr[-3000:]
-    assert _dense_checksums(str(tmp_path / "killed")) == _dense_checksums(str(tmp_path / "straight"))
-    killed = CompressedCheckpoint(str(tmp_path / "killed" / "model")).manifest["adapters"]["checksums"]
-    assert killed == CompressedCheckpoint(str(tmp_path / "straight" / "model")).manifest["adapters"]["checksums"]
+    assert _dense_checksums(str(tmp_path / "killed")) == _dense_checksums(
+        str(tmp_path / "straight")
+    )
+    killed = CompressedCheckpoint(str(tmp_path / "killed" / "model")).manifest["adapters"][
+        "checksums"
+    ]
+    assert (
+        killed
+        == CompressedCheckpoint(str(tmp_path / "straight" / "model")).manifest["adapters"][
+            "checksums"
+        ]
+    )
 
 
 @pytest.mark.slow
 def test_cli_errors_are_one_line(tiny, tmp_path):
     options = options_for(tiny, tmp_path / "run", expert_lora_rank=100)
-    result = run_python(["-m", "qmoe_jax.finetune", *cli_args(options)], timeout=300, JAX_PLATFORMS="cpu")
+    result = run_python(
+        ["-m", "qmoe_jax.finetune", *cli_args(options)], timeout=300, JAX_PLATFORMS="cpu"
+    )
     assert result.returncode == 1
-    assert result.stderr.strip().splitlines()[-1].startswith("error: LoRA rank 100 must be between 1 and")
-    assert finetune_cli.parse_options(["--output_dir", "x", "--trainable", "a, b"]).trainable == ("a", "b")
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: LoRA rank 100 must be between 1 and")
+    )
+    assert finetune_cli.parse_options(["--output_dir", "x", "--trainable", "a, b"]).trainable == (
+        "a",
+        "b",
+    )
 
 
 MULTIDEVICE_SCRIPT = """
@@ -263,18 +358,27 @@ finetune(options, log=lambda _: None, progress=False)
 
 @pytest.mark.slow
 def test_data_parallel_on_four_devices_follows_the_one_device_loss_curve(tiny, tmp_path):
-    """Batches split over 4 host devices, experts sharded as in expert-parallel inference: the same training
-    loss at every step as on one device, to 1e-4. Children under a watchdog (the device count is fixed when
-    jax starts)."""
+    """Batches split over 4 host devices, experts sharded as in expert-parallel inference: the same
+    training loss at every step as on one device, to 1e-4. Children under a watchdog (the device
+    count is fixed when jax starts)."""
     curves = {}
     for devices in (1, 4):
-        options = options_for(tiny, tmp_path / f"run{devices}", steps=4, eval_every=1, expert_lora_rank=2,
-                              dropout_rate=0.1)
+        options = options_for(
+            tiny,
+            tmp_path / f"run{devices}",
+            steps=4,
+            eval_every=1,
+            expert_lora_rank=2,
+            dropout_rate=0.1,
+        )
         settings = {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
         try:
-            result = run_python(["-c", MULTIDEVICE_SCRIPT, json.dumps(settings), str(devices)],
-                                timeout=WATCHDOG_SECONDS, JAX_PLATFORMS="cpu",
-                                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+            result = run_python(
+                ["-c", MULTIDEVICE_SCRIPT, json.dumps(settings), str(devices)],
+                timeout=WATCHDOG_SECONDS,
+                JAX_PLATFORMS="cpu",
+                XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+            )
         except subprocess.TimeoutExpired:
             pytest.fail(f"{devices}-device fine-tuning still running after {WATCHDOG_SECONDS} s")
         assert result.returncode == 0, result.stderr[-3000:]
@@ -295,14 +399,22 @@ def test_tasks_hold_out_validation_and_batches_depend_on_the_step_only(tmp_path,
     from qmoe_jax.data import SpanCorruptionConfig, token_chunks
 
     config = SpanCorruptionConfig(inputs_length=32)
-    every = [c for c in token_chunks([text.read_text()], tiny_tokenizer, config) if c.size == config.lengths[0]]
-    assert [c.tobytes() for c in task.chunks] == [c.tobytes() for i, c in enumerate(every) if i % 20]
+    every = [
+        c
+        for c in token_chunks([text.read_text()], tiny_tokenizer, config)
+        if c.size == config.lengths[0]
+    ]
+    assert [c.tobytes() for c in task.chunks] == [
+        c.tobytes() for i, c in enumerate(every) if i % 20
+    ]
     third = list(zip(range(3), task.batches(4, seed=1)))[2][1]
     resumed = next(task.batches(4, seed=1, start_step=2))
     for key in third:
         np.testing.assert_array_equal(third[key], resumed[key])
 
-    lines = [json.dumps({"inputs": s, "targets": s.split()[0]}) for s in synthetic_sentences(50, seed=6)]
+    lines = [
+        json.dumps({"inputs": s, "targets": s.split()[0]}) for s in synthetic_sentences(50, seed=6)
+    ]
     (tmp_path / "train.jsonl").write_text("\n".join(lines))
     task = load_task(f"jsonl:{tmp_path / 'train.jsonl'}", tiny_tokenizer, 32, 100)
     assert task.generative and len(task.examples) == 45 and len(task.validation) == 5

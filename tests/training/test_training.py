@@ -22,10 +22,19 @@ def chunks(count=20, length=30, seed=0):
 
 
 def test_batches_are_a_function_of_the_step():
-    a = training_batches(chunks(), first_sentinel=191, batch_size=4, encoder_length=32, decoder_length=16, seed=3)
+    a = training_batches(
+        chunks(), first_sentinel=191, batch_size=4, encoder_length=32, decoder_length=16, seed=3
+    )
     steps = [next(a) for _ in range(7)]
-    b = training_batches(chunks(), first_sentinel=191, batch_size=4, encoder_length=32, decoder_length=16, seed=3,
-                         start_step=5)
+    b = training_batches(
+        chunks(),
+        first_sentinel=191,
+        batch_size=4,
+        encoder_length=32,
+        decoder_length=16,
+        seed=3,
+        start_step=5,
+    )
     for expected in steps[5:]:
         got = next(b)
         for key in expected:
@@ -44,24 +53,52 @@ def test_schedule_warms_up_then_decays():
 
 @pytest.mark.slow
 def test_training_lowers_the_loss_and_resumes(tmp_path):
-    config = TrainConfig(steps=6, warmup_steps=1, eval_every=3, snapshot_every=3, peak_learning_rate=3e-3)
+    config = TrainConfig(
+        steps=6, warmup_steps=1, eval_every=3, snapshot_every=3, peak_learning_rate=3e-3
+    )
     model = SwitchTransformer(TINY)
     data = chunks(40)
     evals = [next(training_batches(data, 191, 8, 32, 16, seed=9))]
     snapshot = str(tmp_path / "snapshot")
-    params, history = train(model, random_params(TINY), data, evals, 191, 32, 16, config, moe_aux_losses, snapshot,
-                            log=lambda _: None)
+    params, history = train(
+        model,
+        random_params(TINY),
+        data,
+        evals,
+        191,
+        32,
+        16,
+        config,
+        moe_aux_losses,
+        snapshot,
+        log=lambda _: None,
+    )
     assert [record["step"] for record in history] == [3, 6]
     assert history[-1]["validation_loss"] < history[0]["validation_loss"] - 0.1
     assert all(np.isfinite(record["cross_entropy"]) for record in history)
-    step, restored, _, restored_history = load_snapshot(snapshot, params, make_optimizer(config).init(params))
+    step, restored, _, restored_history = load_snapshot(
+        snapshot, params, make_optimizer(config).init(params)
+    )
     assert step == 6 and restored_history == history
     # Re-running with the same snapshot resumes at the end: nothing left to do.
-    again, again_history = train(model, random_params(TINY, seed=1), data, evals, 191, 32, 16, config,
-                                 moe_aux_losses, snapshot, log=lambda _: None)
+    again, again_history = train(
+        model,
+        random_params(TINY, seed=1),
+        data,
+        evals,
+        191,
+        32,
+        16,
+        config,
+        moe_aux_losses,
+        snapshot,
+        log=lambda _: None,
+    )
     assert again_history == history
-    np.testing.assert_array_equal(np.asarray(again["token_embedder"]["embedding"]),
-                                  np.asarray(restored["token_embedder"]["embedding"]))
+    np.testing.assert_array_equal(
+        np.asarray(again["token_embedder"]["embedding"]),
+        np.asarray(restored["token_embedder"]["embedding"]),
+    )
 
 
 def test_snapshot_round_trip(tmp_path):
@@ -70,5 +107,7 @@ def test_snapshot_round_trip(tmp_path):
     save_snapshot(str(tmp_path / "s"), 42, params, opt_state, [{"step": 42}])
     step, restored, _, history = load_snapshot(str(tmp_path / "s"), params, opt_state)
     assert step == 42 and history == [{"step": 42}]
-    np.testing.assert_array_equal(np.asarray(restored["encoder"]["encoder_norm"]["scale"]),
-                                  np.asarray(params["encoder"]["encoder_norm"]["scale"]))
+    np.testing.assert_array_equal(
+        np.asarray(restored["encoder"]["encoder_norm"]["scale"]),
+        np.asarray(params["encoder"]["encoder_norm"]["scale"]),
+    )
