@@ -51,15 +51,13 @@ from qmoe_jax.codec.dictionary import Dictionary, build_dictionary, fingerprint_
 
 FORMAT = "qmoe_jax.compressed"
 FORMAT_VERSION = 1
-ORBAX_TEMPORARY = (
-    r"\.orbax-checkpoint-tmp.*"  # where Orbax writes a tree before renaming it into place
-)
+# where Orbax writes a tree before renaming it into place
+ORBAX_TEMPORARY = r"\.orbax-checkpoint-tmp.*"
 LAYER_DIRECTORY = re.compile(r"^(encoder|decoder)\.layers_(\d+)\.mlp(\.partial)?$")
 DICTIONARY_DIRECTORY = re.compile(rf"^[0-9a-f]{{16}}({ORBAX_TEMPORARY})?$")
 DENSE_TEMPORARY = re.compile(rf"^dense{ORBAX_TEMPORARY}$")
-ADAPTERS = (
-    "adapters"  # optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
-)
+# optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
+ADAPTERS = "adapters"
 RERUN = "re-run the same `python -m qmoe_jax.compress` command"
 
 

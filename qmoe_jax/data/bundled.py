@@ -21,11 +21,16 @@ VALIDATION_SEED = 0
 
 
 def model_dir() -> str:
-    """Directory holding the bundled checkpoint, tokenizer and metadata."""
-    here = os.path.dirname(os.path.abspath(__file__))
+    """Directory holding the bundled checkpoint, tokenizer and metadata.
+
+    An installed package carries it as ``qmoe_jax/bundled/<name>`` (CMakeLists.txt installs it
+    there); a source checkout has it in the repository's ``checkpoints/<name>``, beside
+    ``qmoe_jax/``.
+    """
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     candidates = [
-        os.path.join(here, "bundled", CONFIG_NAME),
-        os.path.join(os.path.dirname(os.path.dirname(here)), "checkpoints", CONFIG_NAME),
+        os.path.join(package, "bundled", CONFIG_NAME),
+        os.path.join(os.path.dirname(package), "checkpoints", CONFIG_NAME),
     ]
     for candidate in candidates:
         if os.path.isdir(candidate):

@@ -355,9 +355,8 @@ def finetune(
         )
     trainable, frozen = split(params, trainable_paths)
     del params
-    opened.params = (
-        None  # the loaded tree is now the two parts; keep no second reference to its arrays
-    )
+    # the loaded tree is now the two parts; keep no second reference to its arrays
+    opened.params = None
 
     mesh = opened.mesh or jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",))
     replicated = NamedSharding(mesh, PartitionSpec())

