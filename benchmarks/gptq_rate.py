@@ -237,7 +237,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                     variant=variant,
                     seconds=seconds,
                     cpu_seconds=min(run[1] for run in runs[variant]),
-                    # first call minus the best; ~0 where an earlier token count compiled the same
+                    # first call minus the best; ~0 where a preceding token count compiled the same
                     # shapes
                     compile_seconds=compile_s[variant] - seconds,
                     cholesky_seconds=factor_s[config.native_cholesky],

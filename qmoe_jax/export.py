@@ -33,7 +33,7 @@ def export(argv: list[str]) -> None:
     parser.add_argument(
         "--output_dir",
         required=True,
-        help="new or empty directory (or an earlier export's); gets checkpoint_<step>/",
+        help="new or empty directory (or one this command exported to); gets checkpoint_<step>/",
     )
     parser.add_argument(
         "--format",

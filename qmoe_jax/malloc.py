@@ -4,22 +4,21 @@ qmoe_jax.compress``).
 Two settings, both for Linux with glibc; elsewhere they do nothing.
 
 **Arenas** (``limit_arenas``): with XLA's many threads glibc's default of 8
-arenas per core holds freed memory in per-thread arenas and inflates peak RSS
-by about 20%; the compressor caps them at 2 (M_ARENA_MAX, set in-process).
+arenas per core holds freed memory in per-thread arenas and inflates peak RSS;
+the compressor caps them at 2 (M_ARENA_MAX, set in-process).
 
 **Huge pages** (``reexec_with_huge_pages``): XLA:CPU allocates a program's
 buffers afresh on every call, and the big ones are big: a switch-base wo
 Hessian is 3072² float32, 36 MiB. glibc serves blocks over 32 MiB (and
 smaller ones once freed memory has been trimmed) with fresh ``mmap``s, so
-every call first-touches new 4 KiB pages: about 10,000 page faults per
-3072-column Cholesky, 35,000 per switch-base expert's GPTQ. glibc ≥ 2.35
+every call first-touches new 4 KiB pages, tens of thousands per switch-base
+expert's GPTQ. glibc ≥ 2.35
 has a tunable, ``glibc.malloc.hugetlb=1``, that marks malloc's memory
 ``MADV_HUGEPAGE``; where the kernel's transparent huge pages are in
 ``madvise`` mode (the default of Debian and Ubuntu kernels), pages then come
-2 MiB at a time. Measured on a 2-core AMD EPYC (Zen 3) VM in alternating
-processes (benchmarks/malloc_pages.py): about 1,000 page faults per expert
-instead of 35,000, and GPTQ on one switch-base expert 0.384 → 0.332 s
-(medians; README, Measured).
+2 MiB at a time, and the page faults drop by one to two orders of magnitude
+(benchmarks/malloc_pages.py measures it in alternating processes; figures in
+docs/measurements.md).
 
 glibc reads tunables once, when the process starts, so a command that wants
 it re-executes itself first thing (``os.execve`` with the same interpreter,

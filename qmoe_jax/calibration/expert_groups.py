@@ -5,7 +5,8 @@ Lingo: the layer's MLP inputs of every calibration token sit in ``inputs [n, d]`
 gate, and whether it was ``kept`` (within capacity). A *group* is |E| experts
 (``group_size``) processed together: their tokens are gathered, padded to one
 length, turned into Hessians (premasked and capped at 4× the mean tokens per
-expert), quantized by vmapped GPTQ, and then every kept token of the group
+expert), quantized by GPTQ in one call (``quant/group.py``: vmapped, or one
+expert after another on CPU), and then every kept token of the group
 runs through the *quantized* experts; its gated output is written back.
 Kernels are fetched from the checkpoint one group at a time.
 
@@ -13,12 +14,9 @@ The Hessians and the experts' forward run one expert at a time, each on its
 own tokens only (``token_width``: up to its last one, rounded up to one of 8
 steps per power of two), not on the group's padded length: routing is uneven
 (the busiest expert of a switch-base-shaped layer gets about twice the mean),
-and the padding multiplied the work of both phases by the group's max/mean.
-In benchmarks/compress_time.py's encoder layer (16 switch-base experts with
-504-3765 tokens each, mean 1987) the Hessians took 10.1-10.8 s against
-14.8-15.6 s on the padded 3840 tokens, and the forward 9.4-9.9 s against
-14.9-15.0 s on 4096, on 2 cores of a Zen 3 VM. Each new width compiles its
-small programs once (about 0.1 s each).
+and the padding would multiply the work of both phases by the group's
+max/mean (benchmarks/compress_time.py shows the phases; docs/measurements.md).
+Each new width compiles its small programs once.
 
 Orientation: T5X kernels are ``wi [E, d, f]``, ``wo [E, f, d]`` (y = x·K);
 GPTQ and the compressed format use W = Kᵀ (rows = outputs).
@@ -54,13 +52,15 @@ from qmoe_jax.quant.group import default_sequential, group_devices
 # many [cols, cols] Hessian-sized ones (the Hessian, its damped copy, the Cholesky
 # factor) and [rows, cols] weight-sized ones (the weights, their running update,
 # the block errors, the dequantized result). Fitted on XLA:CPU to the peak RSS of
-# calls of 1-16 switch-base experts (768×3072 and 3072×768): 2.6 and 4.6 copies.
+# calls of 1-16 switch-base experts (768×3072 and 3072×768), rounded up
+# (benchmarks/gptq_memory.py; docs/measurements.md).
 HESSIAN_COPIES = 3
 WEIGHT_COPIES = 5
 # A sequential call (``quantize_expert_group(..., sequential=True)``, CPUs) holds every expert's
-# Hessian, weights and uint8 codes, and one expert's working copies per device at a time: about
-# 3.3 Hessian-sized and 2.7 weight-sized float32 arrays above the inputs (fitted on XLA:CPU to the
-# peak RSS of calls of 1-8 switch-base experts, 768×3072 and 3072×768), rounded up to 4 and 3.
+# Hessian, weights and uint8 codes, and one expert's working copies per device at a time: these
+# many Hessian-sized and weight-sized float32 arrays above the inputs, fitted on XLA:CPU to the
+# peak RSS of calls of 1-8 switch-base experts (768×3072 and 3072×768) and rounded up
+# (benchmarks/gptq_memory.py; docs/measurements.md).
 SEQUENTIAL_HESSIAN_COPIES = 4
 SEQUENTIAL_WEIGHT_COPIES = 3
 
@@ -185,10 +185,9 @@ def _dequantized_t5x(codes: jax.Array, grid_params: jax.Array, *, grid: GridConf
 
 
 def dequantized_t5x_kernel(kernel: QuantizedKernel, grid: GridConfig) -> jax.Array:
-    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back). Jitted: the
-      eager vmap
-    dispatched each op apart, 3-9 ms per expert against 0.4-4.8 ms (switch-mini and switch-base
-    shapes), with the same values (selects, or a subtraction then a product)."""
+    """The quantized kernel as T5X stores it: float32[g, in, out] (W transposed back). Jitted,
+    because an eager vmap dispatches each op apart; the values are the same either way (selects, or
+    a subtraction then a product)."""
     return _dequantized_t5x(jnp.asarray(kernel.codes), jnp.asarray(kernel.grid_params), grid=grid)
 
 

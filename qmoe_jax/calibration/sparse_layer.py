@@ -1,6 +1,6 @@
 """One sparse layer of the calibration pass: compress it, or replay it from disk.
 
-Lingo as in ``experts``. Compressing a layer yields its stored arrays (see
+Lingo as in ``expert_groups``. Compressing a layer yields its stored arrays (see
 ``qmoe_jax.checkpoints.format_v1``), its statistics, and the gated outputs of
 every calibration token through the quantized experts. Replaying a finished
 layer decodes its stored codes and computes the same outputs through the same

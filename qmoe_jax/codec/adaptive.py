@@ -5,7 +5,8 @@ most probable sequences under the i.i.d. ternary model, so a model whose
 quantized experts are sparser or denser codes better with a dictionary built
 for its own P(0) ("adaptive"). Most probable is not quite best for greedy
 parsing, though: on i.i.d. codes, dictionaries built for a p0 a few hundredths
-below the measured one give up to ~2 % fewer codewords, so "tuned" builds
+below the measured one give fewer codewords (benchmarks/codec_rate.py compares
+them; docs/measurements.md), so "tuned" builds
 candidates around the measured p0 and keeps the one that encodes a sample
 into the fewest codewords (the paper's dictionary is always a candidate).
 

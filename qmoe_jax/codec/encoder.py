@@ -26,7 +26,7 @@ from qmoe_jax.codec.dictionary import Dictionary
 
 @functools.lru_cache(maxsize=8)
 def _encoder_table(dictionary: Dictionary) -> qmoe_jax_ext.EncoderTable:
-    """The dictionary's trie for the C++ encoder, built once (~10 ms) and cached."""
+    """The dictionary's trie for the C++ encoder, built once per dictionary and cached."""
     return qmoe_jax_ext.EncoderTable(dictionary.entries)
 
 

@@ -133,7 +133,7 @@ def hessian_masks(
     (quantized) model. On the bundled model the decoder part of QMoE's mask
     hurts: GPTQ never sees the quarter of decoder positions that predict a
     sentinel, leaves their expert outputs worse than RTN does, and the loss on
-    the other targets rises almost as much as with RTN (README, Measured).
+    the other targets rises almost as much as with RTN (docs/measurements.md, quality.py).
 
     Returns:
       (encoder_mask bool[B, Le], decoder_mask bool[B, Ld]).

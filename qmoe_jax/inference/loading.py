@@ -61,7 +61,7 @@ class OpenedModel:
         "mapped" (fused kernels on memory-mapped stacks).
       mesh: the expert-parallel mesh (axis ``expert``), or None.
       residency: mapped experts only: their verification, read-ahead and budget
-        (``inference.mapped``).
+        (``inference.mapped_params``).
     """
 
     config: SwitchConfig
@@ -104,7 +104,8 @@ def open_model(
         devices of every host), so that each device multiplies the tokens
         routed to its own experts; "auto" does so when there is more than one
         device; "off" runs every expert on one device.
-      verify, expert_cache_gb: mapped directories only (``inference.mapped.load_mapped_model``).
+      verify, expert_cache_gb: mapped directories only
+        (``inference.mapped_params.load_mapped_model``).
     """
     if expert_parallel not in EXPERT_PARALLEL:
         raise ValueError(

@@ -4,7 +4,7 @@ Lingo: B prompts, k beams, L = ``max_decode_length`` generated tokens (the
 decoder start token 0 is not among them); after EOS a sequence emits padding
 (0). Each strategy is one jitted program per (model, shapes, config): a
 ``lax.while_loop`` that feeds one token per step through the KV cache
-(``models.decoding``) and stops early once every sequence has ended.
+(``models.incremental``) and stops early once every sequence has ended.
 
 Beam search scores a hypothesis as ``log p / ((5 + length) / 6) ** alpha``,
 T5X's brevity penalty with its default alpha = 0.6 (length counts generated

@@ -145,8 +145,8 @@ def _lines(path: str, paths: list[str], seen: tuple[str, ...] = ()) -> list[GinS
 
 
 def _set_search_paths(paths: list[str]) -> None:
-    """Makes ``paths`` gin's include search paths, dropping those of an earlier parse in this
-    process (gin only appends, and would look in a stale folder first)."""
+    """Makes ``paths`` gin's include search paths, dropping any that another parse in this process
+    added (gin only appends, and would look in a stale folder first)."""
     prefixes = getattr(gin.config, "_LOCATION_PREFIXES", None)
     if isinstance(prefixes, list):
         del prefixes[1:]  # keep gin's own '' (paths as given)

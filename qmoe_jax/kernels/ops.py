@@ -27,8 +27,8 @@ under ``jax.shard_map`` (``expert_parallel``).
 Every op has a pure-jnp twin with the same signature (``*_reference``) that
 decodes W densely with ``codec.decode_codes_jnp``; tests hold the kernels to
 them. The CPU kernels pick AVX-512, AVX2 or portable code at run time, the
-first of ``cpu_isas()`` (on AMD CPUs AVX2 before AVX-512, measured faster on
-a Zen 4: docs/cpu_kernels.md §1); the environment variable QMOE_CPU_ISA
+first of ``cpu_isas()`` (on AMD CPUs AVX2 before AVX-512, the faster of the
+two there: docs/cpu_kernels.md §1); the environment variable QMOE_CPU_ISA
 forces one.
 """
 

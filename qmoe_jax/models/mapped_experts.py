@@ -9,7 +9,7 @@ layer hands the routed experts to the host (a ``jax.pure_callback``) and
 waits for it: the host reads and verifies the routed experts it has not
 verified yet, checks that the files are unchanged, prefetches the routed
 experts' pages and releases those of experts unused for longest (``touch``
-of ``inference.mapped.ExpertResidency``). The kernels take what the host
+of ``inference.mapped_params.ExpertResidency``). The kernels take what the host
 returns, so they cannot run before it.
 
 Few tokens (decoding; at most ``gather_tokens``) take the per-token path of

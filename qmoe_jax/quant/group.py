@@ -7,10 +7,10 @@ On accelerators its experts are vmapped: one batched program, which fills the
 device. On CPU (``sequential``, the default there) they run one after another
 inside the call (``lax.map``): one expert already fills the cores, and each
 op on a whole group streams E times the data through memory (batched, XLA
-also copies the Cholesky's transposed operands first). Measured on 2 cores,
-a switch-base layer in one 16-expert call per matrix: 4.00 s against 4.86 s
-vmapped (benchmarks/gptq_grouping.py), and one expert's working copies at a
-time instead of 16. Both give the same bits: an expert's result does not
+also copies the Cholesky's transposed operands first). On a 2-core CPU the
+sequential call is the faster of the two (benchmarks/gptq_grouping.py times
+both; docs/measurements.md), and it holds one expert's working copies at a
+time instead of E. Both give the same bits: an expert's result does not
 depend on its batch (quant/linalg.py). Experts with no tokens, or whose Hessian is not positive
 definite after damping, are rounded to nearest (identity Hessian) and
 flagged in ``fallback`` for the caller to count.

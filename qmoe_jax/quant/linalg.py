@@ -16,15 +16,14 @@ row by row (for the solve): on CPU in a native kernel (the FFI target
 off), elsewhere in one ``fori_loop`` (``_base_factor``, its twin), whose
 per-column steps cost XLA:CPU more than their arithmetic. Nearly all the
 work is the first matmul, which only ever forms the columns being factored:
-about n³/3 FLOPs in all, what a Cholesky needs (an earlier recursive form,
-which also formed the inverses of its leading halves, ran 2.3× that at
-n = 3072).
+about n³/3 FLOPs in all, what a Cholesky needs (a recursive form that also
+forms the inverses of its leading halves would execute about twice that).
 
 Why not ``jnp.linalg.cholesky`` / ``lax.linalg.triangular_solve``: on CPU,
 batched calls go to jaxlib's LAPACK kernels, which split the batch into tasks
 on XLA's intra-op thread pool and block until they finish. When several host
 devices run such a call at once, every pool thread can be one of the blocked
-callers and the tasks never run: multi-device compression hung. Here
+callers and the tasks never run, so multi-device compression would hang. Here
 everything is ordinary XLA ops, which no pool thread blocks on, and the
 native kernel, which runs its batch items on the pool but never waits on a
 task that has not started (xla_ffi/cpu_parallel.h).
@@ -141,8 +140,7 @@ def _factor(
         return flip(_diagonal_factor(flip(_with_diagonal(matrix, diagonal)), native)[0])
     # Behind a barrier, the zeros are their own op (a parallel fill, free to run before the first
     # block is factored); without it XLA folds the first block's update into them as one
-    # single-threaded pad of the whole n×n matrix after that block, about 10 ms at n = 3072 on the
-    # critical path.
+    # single-threaded pad of the whole n×n matrix after that block, on the critical path.
     factor = lax.optimization_barrier(jnp.zeros_like(matrix))
     for done in range(0, size, BASE_SIZE):
         width = min(BASE_SIZE, size - done)
@@ -230,5 +228,5 @@ def pairwise_sum(values: jax.Array) -> jax.Array:
 
 def exact_product(a: jax.Array, b: jax.Array) -> jax.Array:
     """a·b of float32s with both first rounded to 12 significant bits, so that the product is exact:
-    an FMA with a later sum then rounds exactly like the product and the sum apart."""
+    an FMA with a following sum then rounds exactly like the product and the sum apart."""
     return lax.reduce_precision(a, 8, 11) * lax.reduce_precision(b, 8, 11)

@@ -73,10 +73,10 @@ class FinetuneOptions:
       checkpoint: a compressed directory or a T5X checkpoint (None: the bundled T5X model).
       config: model config name, or JSON file of ``SwitchConfig`` fields, of a T5X checkpoint (None:
         inferred).
-      task: see ``finetuning.tasks``.
+      task: see ``training.tasks``.
       experts: a compressed source's frozen experts: "compressed" (fused kernels) or "dense"
         (dequantized to float32: the uncompressed control of the cost benchmark).
-      output_dir: the run directory (``finetuning.state``).
+      output_dir: the run directory (``training.run_directory``).
       trainable: regular expressions selecting trainable parameter paths (None: attention, layer
         norms, routers, embeddings, relative position biases and dense MLPs); expert adapters always
         train.

@@ -12,7 +12,7 @@ Layout of ``--output_dir`` (docs/format.md §11)::
                        written last
 
 A checkpoint step is written by Orbax into a temporary directory and renamed
-into place when complete, so ``kill -9`` leaves the previous steps intact and
+into place when complete, so ``kill -9`` leaves the completed steps intact and
 the half-written one unrecognized (and removed when the run restarts). The model
 is written to ``model.partial/`` and renamed; only then is the run marked
 complete. A restarted run must have the same settings and source.

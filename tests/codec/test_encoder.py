@@ -129,8 +129,8 @@ def test_noncontiguous_input(dictionary):
 
 
 def test_dictionary_that_is_not_prefix_closed(dictionary):
-    """The walk stops at the first missing prefix, and a later duplicate wins, as in the
-    reference."""
+    """The walk stops at the first missing prefix, and the last of duplicate entries wins, as in
+    the reference."""
     weights, pair_count = entry_weights(dictionary.entries)
     entries = dictionary.entries.copy()
     # Overwrite every 2-pair entry that starts with a zero pair by a copy of an
