@@ -45,12 +45,17 @@ from machine import cpu_model  # noqa: E402
 GOALS = ("repair", "downstream", "cost")
 
 
+def _manifest_complete(manifest: str) -> bool:
+    with open(manifest) as f:
+        return bool(json.load(f).get("complete"))
+
+
 def compressed_bundled(method: str, work_dir: str) -> str:
     if method == "gptq":
         return checkpoint_for("bundled", None)
     path = os.path.join(work_dir, "switch-mini-8-rtn")
     manifest = os.path.join(path, "manifest.json")
-    if not (os.path.isfile(manifest) and json.load(open(manifest)).get("complete")):
+    if not (os.path.isfile(manifest) and _manifest_complete(manifest)):
         print(f"compressing the bundled model with RTN into {path}", flush=True)
         subprocess.run(
             [
@@ -123,7 +128,10 @@ def repair(args) -> dict:
         runs[method] = finetune(
             f"repair-{method}", compressed_bundled(method, args.work_dir), budget, args.work_dir
         )
-    loss = lambda run, when: run[when]["validation_loss"]  # noqa: E731
+
+    def loss(run, when):
+        return run[when]["validation_loss"]
+
     original_before, original_after = (
         loss(runs["original"], "first"),
         loss(runs["original"], "last"),

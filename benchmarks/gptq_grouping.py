@@ -224,8 +224,8 @@ def compile_seconds(matrices, tokens, group_size, grid, config, sequential: bool
             config,
             sequential=sequential,
         )
-        first, _, _ = timed(lambda: jax.block_until_ready(call()))  # noqa: B023 (called at once)
-        warm, _, _ = timed(lambda: jax.block_until_ready(call()))  # noqa: B023
+        first, _, _ = timed(lambda call=call: jax.block_until_ready(call()))
+        warm, _, _ = timed(lambda call=call: jax.block_until_ready(call()))
         total += max(first - warm, 0.0)
     return total
 
@@ -245,7 +245,7 @@ def factor_seconds(
         factor(damped[:group_size]).block_until_ready()
         for start in range(0, hessians.shape[0], group_size):
             group = damped[start : start + group_size]
-            group_wall, group_cpu, _ = timed(lambda: factor(group).block_until_ready())  # noqa: B023 (called at once)
+            group_wall, group_cpu, _ = timed(lambda group=group: factor(group).block_until_ready())
             wall, cpu = wall + group_wall, cpu + group_cpu
     return wall, cpu
 

@@ -199,7 +199,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
         results, compile_s, runs = {}, {}, {name: [] for name in VARIANTS}
         for variant, config in VARIANTS.items():
             first, _, results[variant] = timed(
-                lambda: jax.block_until_ready(
+                lambda weights=weights, hessians=hessians, config=config: jax.block_until_ready(
                     quantize_expert_group(weights, hessians, count, grid, config)
                 )
             )
@@ -208,8 +208,10 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
             for variant, config in VARIANTS.items():
                 runs[variant].append(
                     timed(
-                        lambda: jax.block_until_ready(
-                            quantize_expert_group(weights, hessians, count, grid, config)
+                        lambda weights=weights, hessians=hessians, config=config: (
+                            jax.block_until_ready(
+                                quantize_expert_group(weights, hessians, count, grid, config)
+                            )
                         )
                     )[:2]
                 )

@@ -159,7 +159,7 @@ def write_directory(path: str, experts: int, patterns: int, seed: int) -> None:
                 )
                 layer[f"{name}.weight"] = torch.zeros(0, dtype=torch.bfloat16)
                 sizes[name] = int(parts["w_comp"].size)
-        torch.save(layer, os.path.join(path, "exp%02d.pt" % number))
+        torch.save(layer, os.path.join(path, f"exp{number:02d}.pt"))
         del layer
     torch.save(sizes, os.path.join(path, "sizes.pt"))
 

@@ -233,13 +233,15 @@ def measure(
     for size in batch_sizes:
         prompts = rng.integers(3, vocab - 100, (size, 32)).astype(np.int32)
         seconds = median_seconds(
-            lambda: generate(model.module, model.params, prompts, config).tokens
+            lambda prompts=prompts: generate(model.module, model.params, prompts, config).tokens
         )
         result[f"greedy_b{size}_tokens_per_second"] = size * decode_length / seconds
         if size == 1:
             idle = expert_share_module(model.module)
             idle_seconds = median_seconds(
-                lambda: generate(idle, model.params, prompts, config).tokens
+                lambda idle=idle, prompts=prompts: (
+                    generate(idle, model.params, prompts, config).tokens
+                )
             )
             result["greedy_b1_experts_share"] = max(0.0, 1.0 - idle_seconds / seconds)
     return result
@@ -279,6 +281,14 @@ def run_child(path: str, form: str, args) -> dict:
 # ---------------------------------------------------------------- driver
 
 
+def _manifest_complete(manifest: str) -> bool:
+    """Whether `manifest` exists and marks its checkpoint complete."""
+    if not os.path.isfile(manifest):
+        return False
+    with open(manifest) as f:
+        return bool(json.load(f).get("complete"))
+
+
 def checkpoint_for(model: str, args) -> str:
     if model == "bundled":
         path = os.path.join(REPO, "runs", "compressed", "switch-mini-8")
@@ -295,9 +305,7 @@ def checkpoint_for(model: str, args) -> str:
         return path
     experts = args.experts if model == "base-shaped" else 128
     path = os.path.join(os.path.abspath(args.work_dir), f"switch-base-shaped-{experts}")
-    if not os.path.isfile(os.path.join(path, "manifest.json")) or not json.load(
-        open(os.path.join(path, "manifest.json"))
-    ).get("complete"):
+    if not _manifest_complete(os.path.join(path, "manifest.json")):
         print(f"writing the synthetic {model} checkpoint ({experts} experts) to {path}", flush=True)
         subprocess.run(
             [
@@ -391,7 +399,10 @@ def main() -> None:
         for baseline in ("dense f32", "dense f32 t5x"):
             if "compressed" in by_form and baseline in by_form:
                 c, d = by_form["compressed"], by_form[baseline]
-                speed = lambda key: f"{c[key] / d[key]:.2f}x"  # noqa: E731
+
+                def speed(key, c=c, d=d):
+                    return f"{c[key] / d[key]:.2f}x"
+
                 ratios.append(
                     f"{model}: compressed / {baseline}: eval "
                     f"{speed('eval_target_tokens_per_second')}, "

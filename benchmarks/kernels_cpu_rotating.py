@@ -213,7 +213,7 @@ def bench_layer(rng, dictionary, d_model, d_ff, repeats):
 
 def diagnose(rng, dictionary, rows, cols, cache, repeats):
     """The one-token matvec after different things ran just before it."""
-    (m,), dense = expert_set(rng, dictionary, 1, rows, cols)
+    (m,), _ = expert_set(rng, dictionary, 1, rows, cols)
     w = jax.device_put(m)
     other = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
     x = jnp.asarray(rng.standard_normal(cols), jnp.float32)

@@ -136,7 +136,7 @@ def run_shape(rng, dictionary, rows, cols, tokens_list, args) -> tuple[dict, lis
             return x @ dense.T
 
         def separate_matvecs(w, dense, x):
-            return jnp.stack([ops.matvec(w, x[n], dictionary) for n in range(tokens)])
+            return jnp.stack([ops.matvec(w, x[n], dictionary) for n in range(x.shape[0])])
 
         token_inputs = [
             (w, dense, jnp.asarray(rng.standard_normal((tokens, cols)), jnp.bfloat16))

@@ -7,6 +7,7 @@ not part of the qmoe_jax package.
 from __future__ import annotations
 
 import glob
+import itertools
 import os
 import platform
 import threading
@@ -71,23 +72,8 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
     import jax.numpy as jnp
 
     count = megabytes * (1 << 20) // 4
-    source = np.ones(count, np.float32)
-    target = np.empty_like(source)
     threads = os.cpu_count() or 1
-    bounds = np.linspace(0, count, threads + 1).astype(np.int64)
-
-    def copy_all():
-        workers = [
-            threading.Thread(target=np.copyto, args=(target[a:b], source[a:b]))
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ]
-        for worker in workers:
-            worker.start()
-        for worker in workers:
-            worker.join()
-
-    copy_best = _best_seconds(copy_all, repeats)
-    del source, target
+    copy_best = _copy_seconds(count, threads, repeats)  # its arrays are freed on return
     cols = 8192
     matrix = jnp.ones((count // cols, cols), jnp.float32)
     vector = jnp.ones(cols, jnp.float32)
@@ -100,6 +86,25 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict:
         "copy_gb_s": 2 * nbytes / copy_best / 1e9,
         "dot_read_gb_s": nbytes / dot_best / 1e9,
     }
+
+
+def _copy_seconds(count: int, threads: int, repeats: int) -> float:
+    """Best seconds to copy ``count`` float32 values with ``threads`` threads, one slice each."""
+    source = np.ones(count, np.float32)
+    target = np.empty_like(source)
+    bounds = np.linspace(0, count, threads + 1).astype(np.int64)
+
+    def copy_all():
+        workers = [
+            threading.Thread(target=np.copyto, args=(target[a:b], source[a:b]))
+            for a, b in itertools.pairwise(bounds)
+        ]
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+
+    return _best_seconds(copy_all, repeats)
 
 
 def _best_seconds(run, repeats: int) -> float:

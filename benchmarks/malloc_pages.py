@@ -81,7 +81,7 @@ def child(args) -> None:
         ("wo", weights_wo, hessians_wo),
     ):
 
-        def call():
+        def call(weights=weights, hessians=hessians):
             return jax.block_until_ready(
                 quantize_expert_group(weights, hessians, count, grid, config)
             )

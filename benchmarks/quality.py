@@ -160,7 +160,7 @@ def run_all(args, work_dir: str) -> None:
         for amount in args.amounts
     ]
     for method, grid, amount in runs:
-        samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
+        samples = args.num_samples if amount is None else round(amount * args.num_samples)
         name = f"{grid}-{method.replace(' ', '-')}" + ("" if amount is None else f"-{amount}x")
         output_dir = os.path.join(work_dir, name)
         if os.path.exists(output_dir):
