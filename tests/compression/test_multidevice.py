@@ -1,12 +1,11 @@
 """Compression sharded over several host devices: it finishes, and its codes are the one-device
-  codes.
+codes.
 
 Each multi-device run is a child process (the device count is fixed when jax starts) under a
 watchdog: batched LAPACK Cholesky kernels used to deadlock XLA's intra-op thread pool there (issue
 18), so a regression shows up as a child that never returns. The pool has a thread per CPU, and the
-deadlock needs
-no more threads than devices: the hang check pins its child to 2 CPUs so that it bites on any
-  machine.
+deadlock needs no more threads than devices: the hang check pins its child to 2 CPUs so that it
+bites on any machine.
 """
 
 import json
