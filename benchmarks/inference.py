@@ -1,5 +1,5 @@
 """Inference speed and memory: compressed experts (fused kernels) against the dequantized dense
-  model.
+model.
 
 For each model, each form runs in its own process (so that its peak RSS is its
 own), on the same checkpoint and the same random tokens:
@@ -46,9 +46,8 @@ import sys
 import time
 
 import numpy as np
-from machine import cpu_model
+from common import REPO, cpu_model, result_path, work_dir, write_result
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("bundled", "base-shaped", "base128-shaped")
 FORMS = ("compressed", "dense f32", "dense f32 t5x", "dense bf16")
 # Runs argv[1:] and reports its peak RSS; being small, its own size at fork barely counts.
@@ -337,8 +336,9 @@ def main() -> None:
         "--batch_sizes", type=int, nargs="+", default=[1, 8, 64], help="greedy decoding batch sizes"
     )
     parser.add_argument(
-        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "inference")
+        "--work_dir", default=work_dir("inference"), help="where the synthetic checkpoints are kept"
     )
+    parser.add_argument("--output", default=result_path("inference"), help="the JSON result")
     parser.add_argument("--quick", action="store_true", help="bundled model only, fewer repeats")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--form", help=argparse.SUPPRESS)
@@ -412,18 +412,12 @@ def main() -> None:
                     )
                     + f"peak RSS {c['peak_rss_gib'] / d['peak_rss_gib']:.2f}x"
                 )
-    cpu = cpu_model()
     print(
-        f"\nCPU: {cpu}, {os.cpu_count()} cores; synthetic models: random ternary codes at P(0) = "
-        "0.885, "
-        "no dense source"
+        f"\nCPU: {cpu_model()}, {os.cpu_count()} cores; synthetic models: random ternary codes "
+        "at P(0) = 0.885, no dense source"
     )
     print("\n".join(lines + [""] + ratios))
-    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(REPO, "benchmarks", "results", "inference.json")
-    with open(out, "w") as f:
-        json.dump({"cpu": cpu, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    print(f"wrote {out}")
+    write_result("inference", {"rows": rows}, args.output)
 
 
 if __name__ == "__main__":
