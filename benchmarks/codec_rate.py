@@ -21,14 +21,13 @@ thread and on all cores, per wall second and per CPU second of the process
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
 
 import ml_dtypes
 import numpy as np
+from common import result_path, write_result
 
 from qmoe_jax.codec import (
     DEFAULT_P0,
@@ -167,9 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="P(0) = 0.885 on two shapes only")
     parser.add_argument("--repeats", type=int, default=5, help="timing repeats (best is reported)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--output", default=os.path.join(os.path.dirname(__file__), "results", "codec_rate.json")
-    )
+    parser.add_argument("--output", default=result_path("codec_rate"), help="the JSON result")
     args = parser.parse_args(argv)
     p0s, shapes = (QUICK_P0S, QUICK_SHAPES) if args.quick else (P0S, SHAPES)
 
@@ -184,21 +181,15 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in criteria.items():
         print(f"{name}: {value:.4g}" if isinstance(value, float) else f"{name}: {value}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(
-            dict(
-                command=" ".join(["python", "benchmarks/codec_rate.py", *sys.argv[1:]]),
-                cores=os.cpu_count(),
-                load_average_after=os.getloadavg(),
-                note="shared machine: throughput varies with other work",
-                results=results,
-                done_criteria=criteria,
-            ),
-            f,
-            indent=1,
-        )
-    print(f"wrote {args.output}")
+    write_result(
+        "codec_rate",
+        dict(
+            note="shared machine: throughput varies with other work",
+            results=results,
+            done_criteria=criteria,
+        ),
+        args.output,
+    )
 
 
 if __name__ == "__main__":

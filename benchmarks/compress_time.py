@@ -55,9 +55,9 @@ import subprocess
 import sys
 import time
 
+from common import cpu_model, result_path, work_dir, write_result
 from gptq_grouping import minimal_flops
-from machine import cpu_model
-from streaming import REPO, directory_bytes, fresh_work_dir, synthetic_params
+from streaming import directory_bytes, fresh_work_dir, synthetic_params
 
 from qmoe_jax import malloc
 from qmoe_jax.checkpoints import path_shapes, write_t5x_checkpoint
@@ -80,12 +80,8 @@ def parse_args():
         default=1024,
         help="calibration samples of the projected runs (the CLI's default)",
     )
-    parser.add_argument(
-        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "compress_time")
-    )
-    parser.add_argument(
-        "--out", default=os.path.join(REPO, "benchmarks", "results", "compress_time.json")
-    )
+    parser.add_argument("--work_dir", default=work_dir("compress_time"))
+    parser.add_argument("--out", default=result_path("compress_time"), help="the JSON result")
     parser.add_argument(
         "--keep", action="store_true", help="keep the synthetic checkpoint and the outputs"
     )
@@ -318,8 +314,6 @@ def main():
 
     result = dict(
         config=dataclasses.asdict(config),
-        cpu=cpu_model(),
-        cpus=os.cpu_count(),
         args=vars(args),
         malloc_huge_pages=huge_pages,
         checkpoint_bytes=directory_bytes(checkpoint),
@@ -327,12 +321,8 @@ def main():
         projections=projections,
         projection_is_an_estimate=True,
         load_average_before=load_before,
-        load_average_after=os.getloadavg(),
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("compress_time", result, args.out)
     if not args.keep:
         shutil.rmtree(args.work_dir)
 

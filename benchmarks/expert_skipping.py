@@ -19,16 +19,14 @@ for wi, wo and the whole layer; the goal is one-hot <= 2/E of all experts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import cpu_model, result_path, write_result
 from kernels_cpu import P0, encode_matrix, side_by_side, synthetic
-from machine import cpu_model
 
 from qmoe_jax.codec import CompressedExperts, build_dictionary
 from qmoe_jax.kernels import ops
@@ -119,10 +117,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--experts", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=20, help="timing rounds")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--output",
-        default=os.path.join(os.path.dirname(__file__), "results", "expert_skipping.json"),
-    )
+    parser.add_argument("--output", default=result_path("expert_skipping"), help="the JSON result")
     args = parser.parse_args(argv)
     isa = os.environ.get("QMOE_CPU_ISA") or ops.cpu_isas()[0]
     model = cpu_model()
@@ -137,28 +132,21 @@ def main(argv: list[str] | None = None) -> None:
         f"one-hot vs all experts, max |difference| of the layer output: "
         f"{measured['one_hot_vs_all_experts_max_abs_error']:.2e}"
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(
-            dict(
-                command=" ".join(["python", "benchmarks/expert_skipping.py", *sys.argv[1:]]),
-                cpu_model=model,
-                cores=os.cpu_count(),
-                kernels=isa,
-                experts=args.experts,
-                d_model=D_MODEL,
-                d_ff=D_FF,
-                p0=P0,
-                repeats=args.repeats,
-                goal_one_hot_vs_all=2 / args.experts,
-                load_average_before=load_before,
-                load_average_after=os.getloadavg(),
-                **measured,
-            ),
-            f,
-            indent=1,
-        )
-    print(f"wrote {args.output}")
+    write_result(
+        "expert_skipping",
+        dict(
+            kernels=isa,
+            experts=args.experts,
+            d_model=D_MODEL,
+            d_ff=D_FF,
+            p0=P0,
+            repeats=args.repeats,
+            goal_one_hot_vs_all=2 / args.experts,
+            load_average_before=load_before,
+            **measured,
+        ),
+        args.output,
+    )
 
 
 if __name__ == "__main__":

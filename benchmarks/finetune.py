@@ -5,21 +5,18 @@ Every fine-tuning run is its own `python -m qmoe_jax.finetune` process (so that 
 own), with the same budget (steps, batch, learning rate, seed) for the compressed models and their
 control:
 
-  repair      span_corruption:bundled on the dense parts of the ternary RTN and GPTQ checkpoints of
-  the
-              bundled model, and of the original bf16 model (the control: is the gain more than more
-              training?). Loss on the held-out plays before (step 0) and after, from each run's
-              metrics (the first --eval_examples validation examples, as `python -m
-              qmoe_jax.evaluate` makes them). gap recovered = (L_compressed - L_compressed_tuned) /
-              (L_compressed - L_original).
-  downstream  name_the_work (given a passage, name the work): GPTQ checkpoint, dense parts; the same
-  with
-              expert LoRA; the original bf16 model, dense parts. Exact match of greedy answers.
+  repair      span_corruption:bundled on the dense parts of the ternary RTN and GPTQ
+              checkpoints of the bundled model, and of the original bf16 model (the control: is
+              the gain more than more training?). Loss on the held-out plays before (step 0) and
+              after, from each run's metrics (the first --eval_examples validation examples, as
+              `python -m qmoe_jax.evaluate` makes them).
+              gap recovered = (L_compressed - L_compressed_tuned) / (L_compressed - L_original).
+  downstream  name_the_work (given a passage, name the work): GPTQ checkpoint, dense parts; the
+              same with expert LoRA; the original bf16 model, dense parts. Exact match of greedy
+              answers.
   cost        the switch-base-shaped synthetic compressed checkpoint of benchmarks/inference.py,
-  fine-tuned
-              with its experts on the fused kernels and, as the control, dequantized to float32:
-                median
-              step time (compilation excluded) and peak RSS of each process.
+              fine-tuned with its experts on the fused kernels and, as the control, dequantized to
+              float32: median step time (compilation excluded) and peak RSS of each process.
 
     python benchmarks/finetune.py                                # all three goals
     python benchmarks/finetune.py --goals cost --cost_steps 4
@@ -37,12 +34,15 @@ import shutil
 import subprocess
 import sys
 
-REPO = os.path.dirname(os.path.abspath(os.path.dirname(__file__)))
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from inference import PEAK_WRAPPER, checkpoint_for  # noqa: E402
-from machine import cpu_model  # noqa: E402
+from common import REPO, cpu_model, result_path, work_dir, write_result
+from inference import PEAK_WRAPPER, checkpoint_for
 
 GOALS = ("repair", "downstream", "cost")
+
+
+def _manifest_complete(manifest: str) -> bool:
+    with open(manifest) as f:
+        return bool(json.load(f).get("complete"))
 
 
 def compressed_bundled(method: str, work_dir: str) -> str:
@@ -50,7 +50,7 @@ def compressed_bundled(method: str, work_dir: str) -> str:
         return checkpoint_for("bundled", None)
     path = os.path.join(work_dir, "switch-mini-8-rtn")
     manifest = os.path.join(path, "manifest.json")
-    if not (os.path.isfile(manifest) and json.load(open(manifest)).get("complete")):
+    if not (os.path.isfile(manifest) and _manifest_complete(manifest)):
         print(f"compressing the bundled model with RTN into {path}", flush=True)
         subprocess.run(
             [
@@ -123,7 +123,10 @@ def repair(args) -> dict:
         runs[method] = finetune(
             f"repair-{method}", compressed_bundled(method, args.work_dir), budget, args.work_dir
         )
-    loss = lambda run, when: run[when]["validation_loss"]  # noqa: E731
+
+    def loss(run, when):
+        return run[when]["validation_loss"]
+
     original_before, original_after = (
         loss(runs["original"], "first"),
         loss(runs["original"], "last"),
@@ -233,12 +236,15 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--goals", nargs="+", choices=GOALS, default=list(GOALS))
+    parser.add_argument("--work_dir", default=work_dir("finetune"))
     parser.add_argument(
-        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "finetune")
+        "--output",
+        default=result_path("finetune"),
+        help="the JSON result (rewritten after each goal, so that a goal done is kept)",
     )
     parser.add_argument(
         "--synthetic_dir",
-        default=os.path.join(REPO, "benchmarks", "results", "inference"),
+        default=work_dir("inference"),
         help="where benchmarks/inference.py keeps (or this script writes) the synthetic checkpoint",
     )
     parser.add_argument("--experts", type=int, default=16, help="experts of the base-shaped model")
@@ -253,22 +259,16 @@ def main() -> None:
     args = parser.parse_args()
     args.work_dir = os.path.abspath(args.work_dir)
     os.makedirs(args.work_dir, exist_ok=True)
-    results = {"cpu": cpu_model(), "cores": os.cpu_count(), "command": " ".join(sys.argv)}
+    results = {}
     for goal in args.goals:
         results[goal] = {"repair": repair, "downstream": downstream, "cost": cost}[goal](args)
-        out = os.path.join(args.work_dir, f"{goal}.json")
-        with open(out, "w") as f:
-            json.dump(
-                {k: v for k, v in results.items() if k in ("cpu", "cores", "command", goal)},
-                f,
-                indent=1,
-            )
+        write_result("finetune", results, args.output)
         print(
             f"{goal}: "
             + json.dumps({k: v for k, v in results[goal].items() if k != "runs"}, indent=1),
             flush=True,
         )
-    print(f"\nCPU: {results['cpu']}, {results['cores']} cores")
+    print(f"\nCPU: {cpu_model()}, {os.cpu_count()} cores")
     if "repair" in results:
         print(
             f"\n{'repair':<8}{'original':>10}{'compressed':>12}{'tuned':>10}"

@@ -47,9 +47,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
-import pathlib
 import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -62,6 +60,7 @@ if __name__ == "__main__":  # time the solver with the malloc settings of the co
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import result_path, write_result
 
 from qmoe_jax.quant import (
     GPTQConfig,
@@ -95,7 +94,7 @@ def parse_args():
         "--quick", action="store_true", help="d_model 256, d_ff 1024, 8 experts, 256 tokens"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/gptq_grouping.json")
+    parser.add_argument("--out", default=result_path("gptq_grouping"), help="the JSON result")
     args = parser.parse_args()
     if args.quick:
         args.experts, args.d_model, args.d_ff, args.tokens, args.group_sizes = (
@@ -224,8 +223,8 @@ def compile_seconds(matrices, tokens, group_size, grid, config, sequential: bool
             config,
             sequential=sequential,
         )
-        first, _, _ = timed(lambda: jax.block_until_ready(call()))  # noqa: B023 (called at once)
-        warm, _, _ = timed(lambda: jax.block_until_ready(call()))  # noqa: B023
+        first, _, _ = timed(lambda call=call: jax.block_until_ready(call()))
+        warm, _, _ = timed(lambda call=call: jax.block_until_ready(call()))
         total += max(first - warm, 0.0)
     return total
 
@@ -245,7 +244,7 @@ def factor_seconds(
         factor(damped[:group_size]).block_until_ready()
         for start in range(0, hessians.shape[0], group_size):
             group = damped[start : start + group_size]
-            group_wall, group_cpu, _ = timed(lambda: factor(group).block_until_ready())  # noqa: B023 (called at once)
+            group_wall, group_cpu, _ = timed(lambda group=group: factor(group).block_until_ready())
             wall, cpu = wall + group_wall, cpu + group_cpu
     return wall, cpu
 
@@ -355,16 +354,10 @@ def main():
         rows=rows,
         paper=PAPER,
         load_average_before=load_before,
-        load_average_after=os.getloadavg(),
-        cpus=os.cpu_count(),
         devices=jax.device_count(),
-        jax_version=jax.__version__,
         openblas_num_threads=os.environ["OPENBLAS_NUM_THREADS"],
     )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_result("gptq_grouping", report, args.out)
 
 
 if __name__ == "__main__":

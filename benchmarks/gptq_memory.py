@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import pathlib
 import subprocess
 import sys
 
@@ -52,7 +51,9 @@ def parse_args():
     parser.add_argument(
         "--shapes", default="3072x768,768x3072", help="W rows x cols (comma-separated)"
     )
-    parser.add_argument("--out", default="benchmarks/results/gptq_memory.json")
+    parser.add_argument(
+        "--out", default=None, help="the JSON result (default benchmarks/results/gptq_memory.json)"
+    )
     parser.add_argument(
         "--child", nargs=4, metavar=("E", "ROWS", "COLS", "MODE"), help=argparse.SUPPRESS
     )
@@ -101,7 +102,7 @@ def main():
         experts, rows, cols, mode = args.child
         print(json.dumps(child(int(experts), int(rows), int(cols), mode)))
         return
-    from machine import cpu_model
+    from common import cpu_model, write_result  # the parent's only: children import no more
 
     from qmoe_jax.calibration.expert_groups import gptq_call_bytes
 
@@ -140,10 +141,7 @@ def main():
                     f"{total / mib:13.1f} {guess / mib:13.1f} {guess / total:9.2f}",
                     flush=True,
                 )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(cpu=cpu_model(), rows=rows_out), indent=2))
-    print(f"wrote {out}")
+    write_result("gptq_memory", dict(rows=rows_out), args.out)
 
 
 if __name__ == "__main__":

@@ -44,9 +44,7 @@ import argparse
 import dataclasses
 import functools
 import importlib
-import json
 import os
-import pathlib
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
@@ -58,6 +56,7 @@ if __name__ == "__main__":  # time the solver with the malloc settings of the co
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import cpu_model, result_path, write_result
 from gptq_grouping import (
     executed_flops,
     factor_seconds,
@@ -66,7 +65,6 @@ from gptq_grouping import (
     synthetic_layer,
     timed,
 )
-from machine import cpu_model
 
 from qmoe_jax.quant import GPTQConfig, GridConfig, grid_params, hessian, quantize_expert_group
 from qmoe_jax.quant.linalg import BASE_SIZE
@@ -92,7 +90,7 @@ def parse_args():
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/gptq_rate.json")
+    parser.add_argument("--out", default=result_path("gptq_rate"), help="the JSON result")
     args = parser.parse_args()
     args.tokens = [int(count) for count in args.tokens.split(",")]
     return args
@@ -199,7 +197,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
         results, compile_s, runs = {}, {}, {name: [] for name in VARIANTS}
         for variant, config in VARIANTS.items():
             first, _, results[variant] = timed(
-                lambda: jax.block_until_ready(
+                lambda weights=weights, hessians=hessians, config=config: jax.block_until_ready(
                     quantize_expert_group(weights, hessians, count, grid, config)
                 )
             )
@@ -208,8 +206,10 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
             for variant, config in VARIANTS.items():
                 runs[variant].append(
                     timed(
-                        lambda: jax.block_until_ready(
-                            quantize_expert_group(weights, hessians, count, grid, config)
+                        lambda weights=weights, hessians=hessians, config=config: (
+                            jax.block_until_ready(
+                                quantize_expert_group(weights, hessians, count, grid, config)
+                            )
                         )
                     )[:2]
                 )
@@ -385,9 +385,6 @@ def main():
 
     report = dict(
         args=vars(args),
-        cpu=cpu_model(),
-        cpus=os.cpu_count(),
-        jax_version=jax.__version__,
         malloc_huge_pages=huge_pages,
         block_sizes=GPTQConfig().block_sizes,
         matmul_gflops_per_s=rate / 1e9,
@@ -397,12 +394,8 @@ def main():
         goal=GOAL,
         variants={name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
         load_average_before=load_before,
-        load_average_after=os.getloadavg(),
     )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_result("gptq_rate", report, args.out)
 
 
 if __name__ == "__main__":

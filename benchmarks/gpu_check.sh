@@ -15,7 +15,7 @@
 #      turns (benchmarks/matvec_scaling.py --isas): which kernel the host's
 #      CPU should pick;
 #   4. runs benchmarks/kernels_gpu.py (table on stdout, JSON to $OUT or
-#      benchmarks/results/).
+#      benchmarks/results/, as step 3's).
 # Assumes, and installs nothing (the GPU machine has no network): python3 with
 # jax + jaxlib + the CUDA plugin, numpy, ml_dtypes, pybind11, pytest and
 # hypothesis; cmake, ninja and nvcc (on PATH, or CUDACXX, or
@@ -90,7 +90,8 @@ JAX_PLATFORMS=cpu run_logged tests_cpu 180 \
   tests/quant/test_quant_gptq_native.py tests/quant/test_quant_linalg_native.py
 
 phase "CPU matvec per instruction set (benchmarks/matvec_scaling.py --isas): is AVX-512 or AVX2 faster here?"
-JAX_PLATFORMS=cpu run_logged matvec_isas 60 "$python" benchmarks/matvec_scaling.py --isas --calls 60
+JAX_PLATFORMS=cpu run_logged matvec_isas 60 "$python" benchmarks/matvec_scaling.py --isas --calls 60 \
+  --output "$out/matvec_scaling.json"
 
 phase "benchmark: benchmarks/kernels_gpu.py"
 run_logged kernels_gpu 200 "$python" benchmarks/kernels_gpu.py --output "$out/kernels_gpu.json"

@@ -20,7 +20,7 @@ files were just written, so they are read from the page cache: time per GB
 is the importer's own work (SHA-256, reading, stream checks, Orbax writes),
 not the disk. Needs torch to write the files.
 
-    python benchmarks/import_qmoe.py [--experts 128] [--work_dir DIR]
+    python benchmarks/import_qmoe.py [--experts 128] [--work_dir DIR] [--output PATH]
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import time
 
 import ml_dtypes
 import numpy as np
+from common import result_path, write_result
 
 D_MODEL, D_FF, HEADS, D_KV, VOCAB = 2080, 6144, 30, 64, 32128
 P0 = 0.885
@@ -159,7 +160,7 @@ def write_directory(path: str, experts: int, patterns: int, seed: int) -> None:
                 )
                 layer[f"{name}.weight"] = torch.zeros(0, dtype=torch.bfloat16)
                 sizes[name] = int(parts["w_comp"].size)
-        torch.save(layer, os.path.join(path, "exp%02d.pt" % number))
+        torch.save(layer, os.path.join(path, f"exp{number:02d}.pt"))
         del layer
     torch.save(sizes, os.path.join(path, "sizes.pt"))
 
@@ -220,6 +221,7 @@ def main() -> None:
         "--work_dir", help="where the synthetic directory and the output go (deleted afterwards)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=result_path("import_qmoe"), help="the JSON result")
     args = parser.parse_args()
     work = args.work_dir or tempfile.mkdtemp(prefix="qmoe_import_bench_")
     try:
@@ -261,7 +263,7 @@ def main() -> None:
             f"file; c-2048 (5.2 GB layer files): about "
             f"{(result['peak_rss_intercept_bytes'] + slope * 5.2e9) / 2**30:.1f} GiB"
         )
-    print(json.dumps(result))
+    write_result("import_qmoe", result, args.output)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Inference speed and memory: compressed experts (fused kernels) against the dequantized dense
-  model.
+model.
 
 For each model, each form runs in its own process (so that its peak RSS is its
 own), on the same checkpoint and the same random tokens:
@@ -46,9 +46,8 @@ import sys
 import time
 
 import numpy as np
-from machine import cpu_model
+from common import REPO, cpu_model, result_path, work_dir, write_result
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("bundled", "base-shaped", "base128-shaped")
 FORMS = ("compressed", "dense f32", "dense f32 t5x", "dense bf16")
 # Runs argv[1:] and reports its peak RSS; being small, its own size at fork barely counts.
@@ -233,13 +232,15 @@ def measure(
     for size in batch_sizes:
         prompts = rng.integers(3, vocab - 100, (size, 32)).astype(np.int32)
         seconds = median_seconds(
-            lambda: generate(model.module, model.params, prompts, config).tokens
+            lambda prompts=prompts: generate(model.module, model.params, prompts, config).tokens
         )
         result[f"greedy_b{size}_tokens_per_second"] = size * decode_length / seconds
         if size == 1:
             idle = expert_share_module(model.module)
             idle_seconds = median_seconds(
-                lambda: generate(idle, model.params, prompts, config).tokens
+                lambda idle=idle, prompts=prompts: (
+                    generate(idle, model.params, prompts, config).tokens
+                )
             )
             result["greedy_b1_experts_share"] = max(0.0, 1.0 - idle_seconds / seconds)
     return result
@@ -279,6 +280,14 @@ def run_child(path: str, form: str, args) -> dict:
 # ---------------------------------------------------------------- driver
 
 
+def _manifest_complete(manifest: str) -> bool:
+    """Whether `manifest` exists and marks its checkpoint complete."""
+    if not os.path.isfile(manifest):
+        return False
+    with open(manifest) as f:
+        return bool(json.load(f).get("complete"))
+
+
 def checkpoint_for(model: str, args) -> str:
     if model == "bundled":
         path = os.path.join(REPO, "runs", "compressed", "switch-mini-8")
@@ -295,9 +304,7 @@ def checkpoint_for(model: str, args) -> str:
         return path
     experts = args.experts if model == "base-shaped" else 128
     path = os.path.join(os.path.abspath(args.work_dir), f"switch-base-shaped-{experts}")
-    if not os.path.isfile(os.path.join(path, "manifest.json")) or not json.load(
-        open(os.path.join(path, "manifest.json"))
-    ).get("complete"):
+    if not _manifest_complete(os.path.join(path, "manifest.json")):
         print(f"writing the synthetic {model} checkpoint ({experts} experts) to {path}", flush=True)
         subprocess.run(
             [
@@ -329,8 +336,9 @@ def main() -> None:
         "--batch_sizes", type=int, nargs="+", default=[1, 8, 64], help="greedy decoding batch sizes"
     )
     parser.add_argument(
-        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "inference")
+        "--work_dir", default=work_dir("inference"), help="where the synthetic checkpoints are kept"
     )
+    parser.add_argument("--output", default=result_path("inference"), help="the JSON result")
     parser.add_argument("--quick", action="store_true", help="bundled model only, fewer repeats")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--form", help=argparse.SUPPRESS)
@@ -391,7 +399,10 @@ def main() -> None:
         for baseline in ("dense f32", "dense f32 t5x"):
             if "compressed" in by_form and baseline in by_form:
                 c, d = by_form["compressed"], by_form[baseline]
-                speed = lambda key: f"{c[key] / d[key]:.2f}x"  # noqa: E731
+
+                def speed(key, c=c, d=d):
+                    return f"{c[key] / d[key]:.2f}x"
+
                 ratios.append(
                     f"{model}: compressed / {baseline}: eval "
                     f"{speed('eval_target_tokens_per_second')}, "
@@ -401,18 +412,12 @@ def main() -> None:
                     )
                     + f"peak RSS {c['peak_rss_gib'] / d['peak_rss_gib']:.2f}x"
                 )
-    cpu = cpu_model()
     print(
-        f"\nCPU: {cpu}, {os.cpu_count()} cores; synthetic models: random ternary codes at P(0) = "
-        "0.885, "
-        "no dense source"
+        f"\nCPU: {cpu_model()}, {os.cpu_count()} cores; synthetic models: random ternary codes "
+        "at P(0) = 0.885, no dense source"
     )
     print("\n".join(lines + [""] + ratios))
-    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(REPO, "benchmarks", "results", "inference.json")
-    with open(out, "w") as f:
-        json.dump({"cpu": cpu, "command": " ".join(sys.argv), "rows": rows}, f, indent=1)
-    print(f"wrote {out}")
+    write_result("inference", {"rows": rows}, args.output)
 
 
 if __name__ == "__main__":

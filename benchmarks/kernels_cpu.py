@@ -22,9 +22,7 @@ jit arguments.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -33,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from common import result_path, write_result
 
 from qmoe_jax.codec import build_dictionary, encode
 from qmoe_jax.kernels import ops
@@ -224,9 +223,7 @@ def main(argv: list[str] | None = None) -> None:
         "--repeats", type=int, default=None, help="timing rounds (default 50, quick 20)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--output", default=os.path.join(os.path.dirname(__file__), "results", "kernels_cpu.json")
-    )
+    parser.add_argument("--output", default=result_path("kernels_cpu"), help="the JSON result")
     args = parser.parse_args(argv)
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if args.quick else (SHAPES, TOKENS)
     repeats = args.repeats or (20 if args.quick else 50)
@@ -246,23 +243,17 @@ def main(argv: list[str] | None = None) -> None:
     for name, value in criteria.items():
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(
-            dict(
-                command=" ".join(["python", "benchmarks/kernels_cpu.py", *sys.argv[1:]]),
-                cores=os.cpu_count(),
-                kernels=isa,
-                repeats=repeats,
-                load_average_before=load_before,
-                load_average_after=os.getloadavg(),
-                results=results,
-                done_criteria=criteria,
-            ),
-            f,
-            indent=1,
-        )
-    print(f"wrote {args.output}")
+    write_result(
+        "kernels_cpu",
+        dict(
+            kernels=isa,
+            repeats=repeats,
+            load_average_before=load_before,
+            results=results,
+            done_criteria=criteria,
+        ),
+        args.output,
+    )
 
 
 if __name__ == "__main__":

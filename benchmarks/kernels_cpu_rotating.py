@@ -45,23 +45,18 @@ thread pool idles), to separate cache state from thread wake-up.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
+from common import cpu_model, last_level_cache, memory_bandwidth, result_path, write_result
 from kernels_cpu import P0, dense_weights, encode_matrix, side_by_side, synthetic
-from machine import cpu_model, last_level_cache, memory_bandwidth
 
-from qmoe_jax import ops
 from qmoe_jax.codec import CompressedExperts, build_dictionary
+from qmoe_jax.kernels import ops
 
 # (d_model, d_ff) of switch-base and switch-c; wi is [d_ff, d_model], wo [d_model, d_ff] (y = W·x).
 MODELS = {"switch-base": (768, 3072), "switch-c": (2080, 6144)}
@@ -213,7 +208,7 @@ def bench_layer(rng, dictionary, d_model, d_ff, repeats):
 
 def diagnose(rng, dictionary, rows, cols, cache, repeats):
     """The one-token matvec after different things ran just before it."""
-    (m,), dense = expert_set(rng, dictionary, 1, rows, cols)
+    (m,), _ = expert_set(rng, dictionary, 1, rows, cols)
     w = jax.device_put(m)
     other = jnp.asarray(rng.standard_normal((rows, cols)), jnp.float32)
     x = jnp.asarray(rng.standard_normal(cols), jnp.float32)
@@ -263,10 +258,7 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--output",
-        default=os.path.join(
-            os.path.dirname(os.path.abspath(__file__)), "results", "kernels_cpu_rotating.json"
-        ),
+        "--output", default=result_path("kernels_cpu_rotating"), help="the JSON result"
     )
     args = parser.parse_args(argv)
     repeats = args.repeats or (10 if args.quick else 30)
@@ -321,30 +313,21 @@ def main(argv=None) -> None:
             )
             print(f"{d['rows']:>5}×{d['cols']:<4} {cells}")
 
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(
-            {
-                "command": " ".join(
-                    ["python", "benchmarks/kernels_cpu_rotating.py", *sys.argv[1:]]
-                ),
-                "cpu": cpu_model(),
-                "cores": os.cpu_count(),
-                "kernels": isa,
-                "last_level_cache": cache,
-                "memory_bandwidth": bandwidth,
-                "repeats": repeats,
-                "load_average_before": load_before,
-                "load_average_after": os.getloadavg(),
-                "matrices": matrices,
-                "layers": layers,
-                "diagnosis": diagnosis,
-                "goals": criteria,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {args.output}")
+    write_result(
+        "kernels_cpu_rotating",
+        {
+            "kernels": isa,
+            "last_level_cache": cache,
+            "memory_bandwidth": bandwidth,
+            "repeats": repeats,
+            "load_average_before": load_before,
+            "matrices": matrices,
+            "layers": layers,
+            "diagnosis": diagnosis,
+            "goals": criteria,
+        },
+        args.output,
+    )
 
 
 def print_tables(matrices: list, layers: dict) -> dict:

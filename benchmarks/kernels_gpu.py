@@ -21,17 +21,14 @@ cut short keeps what it measured.
 
     python benchmarks/kernels_gpu.py [--matmul-shapes all|c2048] [--output PATH]
 
-Writes JSON to --output (default $OUT/kernels_gpu.json when OUT is set, else
-benchmarks/results/kernels_gpu.json) and prints a table. Needs the extension
-built with QMOE_CUDA=ON (benchmarks/gpu_check.sh does that).
+Writes JSON to --output (default benchmarks/results/kernels_gpu.json) and prints a table.
+Needs the extension built with QMOE_CUDA=ON (benchmarks/gpu_check.sh does that).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -40,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from common import result_path, write_result
 
 from qmoe_jax.codec import DEFAULT_P0, build_dictionary, encode
 from qmoe_jax.kernels import ops
@@ -136,7 +134,7 @@ def run_shape(rng, dictionary, rows, cols, tokens_list, args) -> tuple[dict, lis
             return x @ dense.T
 
         def separate_matvecs(w, dense, x):
-            return jnp.stack([ops.matvec(w, x[n], dictionary) for n in range(tokens)])
+            return jnp.stack([ops.matvec(w, x[n], dictionary) for n in range(x.shape[0])])
 
         token_inputs = [
             (w, dense, jnp.asarray(rng.standard_normal((tokens, cols)), jnp.bfloat16))
@@ -199,13 +197,6 @@ def goals(matvec: list[dict], matmul: list[dict]) -> dict:
     return result
 
 
-def default_output() -> str:
-    folder = os.environ.get("OUT") or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "results"
-    )
-    return os.path.join(folder, "kernels_gpu.json")
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -221,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         "--working-set-mib", type=float, default=256, help="dense bytes cycled through per program"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", default=default_output())
+    parser.add_argument("--output", default=result_path("kernels_gpu"), help="the JSON result")
     args = parser.parse_args(argv)
 
     if jax.default_backend() != "gpu" or not ops.has_cuda_kernels():
@@ -237,10 +228,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     dictionary = build_dictionary(DEFAULT_P0)
     rng = np.random.default_rng(args.seed)
-    command = " ".join(
-        ["python", "benchmarks/kernels_gpu.py", *(sys.argv[1:] if argv is None else argv)]
-    )
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     matvec, matmul = [], []
     for rows, cols in C2048_SHAPES + tuple(s for s in SHAPES if s not in C2048_SHAPES):
         with_matmul = args.matmul_shapes == "all" or (rows, cols) in C2048_SHAPES
@@ -249,31 +236,27 @@ def main(argv: list[str] | None = None) -> None:
         )
         matvec.append(shape_matvec)
         matmul.extend(shape_matmul)
-        with open(args.output, "w") as f:
-            json.dump(
-                dict(
-                    command=command,
-                    device=device.device_kind,
-                    jax=jax.__version__,
-                    p0=DEFAULT_P0,
-                    timing="median over repeats of wall time / (programs x calls), programs "
-                    "dispatched back to back, each cycling over distinct matrices (dense working "
-                    "set --working-set-mib)",
-                    settings=vars(args),
-                    complete=len(matvec) == len(SHAPES),
-                    matvec=matvec,
-                    matmul=matmul,
-                    goals=goals(matvec, matmul),
-                ),
-                f,
-                indent=1,
-            )
+        write_result(
+            "kernels_gpu",
+            dict(
+                device=device.device_kind,
+                p0=DEFAULT_P0,
+                timing="median over repeats of wall time / (programs x calls), programs "
+                "dispatched back to back, each cycling over distinct matrices (dense working "
+                "set --working-set-mib)",
+                settings=vars(args),
+                complete=len(matvec) == len(SHAPES),
+                matvec=matvec,
+                matmul=matmul,
+                goals=goals(matvec, matmul),
+            ),
+            args.output,
+        )
     print(
         "== goals (issue #5): matvec ≤ 0.7× dense on c2048 shapes, 16-token matmul ≤ 1.0× dense =="
     )
     for name, value in goals(matvec, matmul).items():
         print(f"{name}: {value:.3f}" if isinstance(value, float) else f"{name}: {value}")
-    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

@@ -19,15 +19,15 @@ A child process (so that the peak RSS is its own) opens it with
 ``--experts mapped`` and greedy-decodes --decode_length tokens at batch 1
 from a random prompt of --prompt_length tokens:
 
-  compile          the first run (prompt A): compiles, and reads and verifies the experts it routes
-  cold, first use  prompt B after the file's pages were dropped from the page cache: each routed
-  expert is
-                   read with pread and its SHA-256 checked (lazy verification)
+  compile          the first run (prompt A): compiles, and reads and verifies the experts it
+                   routes
+  cold, first use  prompt B after the file's pages were dropped from the page cache: each
+                   routed expert is read with pread and its SHA-256 checked (lazy verification)
   cold, verified   prompt B again after dropping the pages again: verified experts come in by
                    read-ahead (MADV_WILLNEED) and page faults
-  warm             prompt B again, pages cached no expert work   prompt B with expert layers that
-  return zeros (routing, dispatch, combine still run):
-                   attention, dense layers and the rest of the step
+  warm             prompt B again, pages cached
+  no expert work   prompt B with expert layers that return zeros (routing, dispatch, combine
+                   still run): attention, dense layers and the rest of the step
 
 Dropping the page cache: /proc/sys/vm/drop_caches needs privileges this
 benchmark does not assume; it releases this process's mappings
@@ -57,14 +57,11 @@ import time
 import zlib
 
 import numpy as np
+from common import REPO, cpu_model, result_path, write_result
+from inference import random_dense  # the inference benchmark's synthetic parameters
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P0 = 0.885
 GIB = 2**30
-
-sys.path.insert(0, os.path.join(REPO, "benchmarks"))
-from inference import random_dense  # noqa: E402  (the inference benchmark's synthetic parameters)
-from machine import cpu_model  # noqa: E402
 
 
 def mem_total() -> int:
@@ -341,6 +338,7 @@ def main() -> None:
     parser.add_argument(
         "--keep", action="store_true", help="keep the checkpoint (and reuse a kept one)"
     )
+    parser.add_argument("--output", default=result_path("larger_than_ram"), help="the JSON result")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -487,28 +485,21 @@ def main() -> None:
             f"  {what}: zlib -9 {gain['zlib_9']:.3f}, xz -6 {gain['xz_6']:.3f} "
             f"({gain['bytes'] / 2**20:.1f} MiB)"
         )
-    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    out = os.path.join(REPO, "benchmarks", "results", "larger_than_ram.json")
-    with open(out, "w") as f:
-        json.dump(
-            {
-                "cpu": cpu_model(),
-                "cores": os.cpu_count(),
-                "ram_bytes": ram,
-                "command": " ".join(sys.argv),
-                "config": config.name,
-                "blocks": blocks,
-                "pool": args.pool,
-                "on_disk_bytes": on_disk,
-                "encode_pool_seconds": encode_seconds,
-                "write_seconds": write_seconds,
-                "general_compressors": gains,
-                "result": result,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {out}")
+    write_result(
+        "larger_than_ram",
+        {
+            "ram_bytes": ram,
+            "config": config.name,
+            "blocks": blocks,
+            "pool": args.pool,
+            "on_disk_bytes": on_disk,
+            "encode_pool_seconds": encode_seconds,
+            "write_seconds": write_seconds,
+            "general_compressors": gains,
+            "result": result,
+        },
+        args.output,
+    )
 
 
 if __name__ == "__main__":

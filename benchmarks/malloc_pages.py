@@ -52,7 +52,9 @@ def parse_args():
         "--tokens", type=int, default=8192, help="calibration tokens behind the Hessians"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="benchmarks/results/malloc_pages.json")
+    parser.add_argument(
+        "--out", default=None, help="the JSON result (default benchmarks/results/malloc_pages.json)"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     for name in ("rounds", "repeats", "tokens"):
@@ -81,7 +83,7 @@ def child(args) -> None:
         ("wo", weights_wo, hessians_wo),
     ):
 
-        def call():
+        def call(weights=weights, hessians=hessians):
             return jax.block_until_ready(
                 quantize_expert_group(weights, hessians, count, grid, config)
             )
@@ -131,7 +133,7 @@ def main():
     args = parse_args()
     if args.child:
         return child(args)
-    from machine import cpu_model
+    from common import cpu_model, write_result  # the parent's only
 
     load_before = os.getloadavg()
     runs = []
@@ -171,18 +173,12 @@ def main():
     )
     report = dict(
         args=vars(args),
-        cpu=cpu_model(),
-        cpus=os.cpu_count(),
         runs=runs,
         median_expert_seconds=medians,
         ratio_on_over_off=ratio,
         load_average_before=load_before,
-        load_average_after=os.getloadavg(),
     )
-    out = pathlib.Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_result("malloc_pages", report, args.out)
 
 
 if __name__ == "__main__":

@@ -18,31 +18,24 @@ AVX-512 or the AVX2 kernel is the faster (``benchmarks/gpu_check.sh`` runs it on
 
 The compressed matrices are placed on the device once (``jax.device_put``), as a
 model's parameters are: a CompressedMatrix of NumPy arrays would be copied to
-the device at every call, and that copy would be timed too.
+the device at every call, and that copy would be timed too. Prints a table and
+writes JSON to --output (default benchmarks/results/matvec_scaling.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from common import cpu_model, result_path, usable_cores, write_result
+from kernels_cpu import P0, dense_weights, encode_matrix, side_by_side, synthetic
 
-sys.path.insert(
-    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
-)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import compressed_data
-from kernels_cpu import side_by_side
-from machine import cpu_model
-
-from qmoe_jax import ops
 from qmoe_jax.codec import build_dictionary
+from qmoe_jax.kernels import ops
 
 SHAPES = ((2080, 6144), (6144, 2080), (768, 3072), (3072, 768))
 
@@ -90,14 +83,15 @@ def main() -> None:
         action="store_true",
         help="time every instruction set the kernels have here, taking turns",
     )
+    parser.add_argument("--output", default=result_path("matvec_scaling"), help="the JSON result")
     args = parser.parse_args()
-    dictionary = build_dictionary(0.885)
+    dictionary = build_dictionary(P0)
     rng = np.random.default_rng(0)
     kernel = jax.jit(lambda w, x: ops.matvec(w, x, dictionary))
     dense = jax.jit(lambda w, x: w @ x)
     isas = ops.cpu_isas() if args.isas else [os.environ.get("QMOE_CPU_ISA") or "auto"]
     print(
-        f"CPU {cpu_model()}; cores available: {len(os.sched_getaffinity(0))}, jax "
+        f"CPU {cpu_model()}; cores available: {usable_cores()}, jax "
         f"{jax.__version__}, "
         f"kernels here: {ops.cpu_isas()}, timed: {isas}"
     )
@@ -105,11 +99,12 @@ def main() -> None:
         f"{'W':>10} {'codewords':>10} {'ISA':>9} {'kernel ms':>10} {'M cw/s':>8} {'dense ms':>9} "
         f"{'ratio':>6}"
     )
+    rows_out = []
     for rows, cols in SHAPES:
-        w, weights = compressed_data.matrix(rng, dictionary, rows, cols)
-        w = jax.device_put(w)
+        codes, minmax = synthetic(rng, rows, cols)
+        w = jax.device_put(encode_matrix(codes, minmax, dictionary))
         x = jnp.asarray(rng.standard_normal(cols).astype(np.float32))
-        weights = jnp.asarray(weights)
+        weights = jnp.asarray(dense_weights(codes, minmax))
         codewords = int(np.asarray(w.row_offsets)[-1])
         kernel_ms = isa_medians_ms(kernel, w, x, isas=isas, calls=args.calls)
         d = median_ms(dense, weights, x, calls=args.calls)
@@ -119,6 +114,23 @@ def main() -> None:
                 f"{codewords / k / 1e3:>8.0f} "
                 f"{d:>9.3f} {k / d:>6.2f}"
             )
+            rows_out.append(
+                dict(
+                    rows=rows,
+                    cols=cols,
+                    codewords=codewords,
+                    isa=isa,
+                    kernel_ms=k,
+                    codewords_per_s=codewords / k * 1e3,
+                    dense_ms=d,
+                    ratio=k / d,
+                )
+            )
+    write_result(
+        "matvec_scaling",
+        dict(calls=args.calls, kernels_here=ops.cpu_isas(), timed=isas, rows=rows_out),
+        args.output,
+    )
 
 
 if __name__ == "__main__":

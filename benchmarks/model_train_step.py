@@ -1,7 +1,7 @@
 """Training-step time of a SwitchTransformer config on this machine (jitted optax Adam step).
 
 Compares parameter/activation dtypes side by side in one process. Prints a
-table and writes benchmarks/results/model_train_step.json.
+table and writes JSON to --output (default benchmarks/results/model_train_step.json).
 
     python benchmarks/model_train_step.py --config switch-mini-8 \
         --batch 32 --encoder-length 128 --decoder-length 32
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import pathlib
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from common import result_path, write_result
 
 from qmoe_jax.models import SwitchTransformer, get_config, router_metrics
 
@@ -102,6 +101,7 @@ def main():
     parser.add_argument("--encoder-length", type=int, default=128)
     parser.add_argument("--decoder-length", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--output", default=result_path("model_train_step"), help="the JSON result")
     args = parser.parse_args()
 
     base = get_config(args.config)
@@ -131,10 +131,11 @@ def main():
         "CPU s/step is process CPU time (all threads); wall time on an idle 2-core machine is "
         "about half."
     )
-    out = pathlib.Path(__file__).parent / "results" / "model_train_step.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    print(f"wrote {out}")
+    write_result(
+        "model_train_step",
+        {"args": vars(args), "device": jax.devices()[0].device_kind, "rows": rows},
+        args.output,
+    )
 
 
 if __name__ == "__main__":

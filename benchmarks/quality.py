@@ -1,5 +1,5 @@
 """Validation loss of the bundled model: bf16 vs RTN vs GPTQ, ternary and 2-bit, over calibration
-  amounts.
+amounts.
 
 The paper's Table 5 layout (method × grid rows, calibration-amount columns),
 with the paper's Switch figures quoted beside ours. The metric is the
@@ -15,11 +15,12 @@ bundled corpus's validation span-corruption loss (nats/token), computed by
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import tempfile
 import time
+
+from common import result_path, write_result
 
 from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
 from qmoe_jax.data import Tokenizer, bundled
@@ -33,8 +34,6 @@ from qmoe_jax.inference import (
 )
 from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.models import SwitchTransformer, get_config
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The paper's C4 validation losses (QMoE, Frantar & Alistarh 2023, arXiv:2310.16795).
 PAPER = {
@@ -80,9 +79,7 @@ def main() -> None:
         default=",".join(map(str, AMOUNTS)),
         help="calibration amounts (multiples of --num_samples) for the GPTQ methods",
     )
-    parser.add_argument(
-        "--out", default=os.path.join(REPO, "benchmarks", "results", "quality.json")
-    )
+    parser.add_argument("--out", default=result_path("quality"), help="the JSON result")
     args = parser.parse_args()
     args.methods, args.grids = args.methods.split(","), args.grids.split(",")
     try:
@@ -160,7 +157,7 @@ def run_all(args, work_dir: str) -> None:
         for amount in args.amounts
     ]
     for method, grid, amount in runs:
-        samples = args.num_samples if amount is None else int(round(amount * args.num_samples))
+        samples = args.num_samples if amount is None else round(amount * args.num_samples)
         name = f"{grid}-{method.replace(' ', '-')}" + ("" if amount is None else f"-{amount}x")
         output_dir = os.path.join(work_dir, name)
         if os.path.exists(output_dir):
@@ -244,10 +241,7 @@ def run_all(args, work_dir: str) -> None:
         results[f"ternary_{method.replace(' ', '_')}_over_rtn_increase"] = ratio
         lines.append(f"ternary {method} increase / RTN increase at 1x: {ratio:.3f} (goal <= 0.25)")
     print("\n".join(lines))
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"wrote {args.out}")
+    write_result("quality", results, args.out)
 
 
 if __name__ == "__main__":

@@ -33,11 +33,10 @@ import time
 
 import ml_dtypes
 import numpy as np
+from common import result_path, work_dir, write_result
 
 from qmoe_jax.checkpoints import path_shapes, write_t5x_checkpoint
 from qmoe_jax.models import get_config, param_shapes
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def synthetic_params(config, seed: int) -> dict:
@@ -153,9 +152,8 @@ def main() -> None:
     )
     parser.add_argument("--num_samples", type=int, default=64)
     parser.add_argument("--method", default="gptq")
-    parser.add_argument(
-        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "streaming")
-    )
+    parser.add_argument("--work_dir", default=work_dir("streaming"))
+    parser.add_argument("--output", default=result_path("streaming"), help="the JSON result")
     parser.add_argument(
         "--tokenizer",
         help="SentencePiece model for the calibration text (default: the bundled one)",
@@ -238,7 +236,7 @@ def main() -> None:
         "peak_stage": peak_stage,
         "compress_seconds": compress_seconds,
         "compressed_bytes": report["model"]["compressed_bytes"],
-        "command": " ".join(command[1:]),
+        "compress_command": " ".join(command[1:]),
     }
     print(f"{'checkpoint':>14} {'peak RSS':>10} {'ratio':>7} {'limit':>7} {'time':>8}  pass")
     print(
@@ -246,10 +244,7 @@ def main() -> None:
         f"{peak / checkpoint_bytes:>7.3f} "
         f"{1 / 3:>7.3f} {compress_seconds:>7.0f}s  {result['passed']}"
     )
-    os.makedirs(os.path.join(REPO, "benchmarks", "results"), exist_ok=True)
-    name = "streaming_quick.json" if args.quick else "streaming.json"
-    with open(os.path.join(REPO, "benchmarks", "results", name), "w") as f:
-        json.dump(result, f, indent=1)
+    write_result("streaming", result, args.output)
     if not args.keep:
         shutil.rmtree(args.work_dir)
 

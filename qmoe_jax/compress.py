@@ -22,6 +22,7 @@ if __name__ == "__main__":  # before jax is imported: an exec here wastes no sta
     malloc.reexec_with_huge_pages("qmoe_jax.compress")  # big XLA buffers without 4 KiB page faults
 malloc.limit_arenas()
 
+# Imported after the malloc set-up above, which must run before jax loads (E402).
 from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
 from qmoe_jax.cli import add_debug_flag, run_cli  # noqa: E402
 from qmoe_jax.compression.job import GRIDS, VERIFY_LEVELS, CompressionOptions, compress_checkpoint  # noqa: E402

@@ -99,37 +99,37 @@ def generate(argv: list[str]) -> None:
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
     model = open_model_from_args(args)
     started, generated_tokens = time.perf_counter(), 0
-    out = open(args.output_file, "w") if args.output_file else sys.stdout
     errors = model.residency.errors() if model.residency is not None else contextlib.nullcontext()
-    try:
-        with errors:
-            for result in generate_texts(
-                model.module,
-                model.params,
-                tokenizer,
-                prompts,
-                config,
-                args.batch_size,
-                args.inputs_length,
-                args.seed,
-                progress=bool(args.input_file) and sys.stderr.isatty(),
-            ):
-                generated_tokens += len(result.tokens)
-                out.write(
-                    json.dumps(
-                        {
-                            "inputs": result.inputs,
-                            "generated": result.text,
-                            "tokens": result.tokens,
-                            "score": round(result.score, 6),
-                        }
-                    )
-                    + "\n"
+    with (
+        (
+            open(args.output_file, "w") if args.output_file else contextlib.nullcontext(sys.stdout)
+        ) as out,
+        errors,
+    ):
+        for result in generate_texts(
+            model.module,
+            model.params,
+            tokenizer,
+            prompts,
+            config,
+            args.batch_size,
+            args.inputs_length,
+            args.seed,
+            progress=bool(args.input_file) and sys.stderr.isatty(),
+        ):
+            generated_tokens += len(result.tokens)
+            out.write(
+                json.dumps(
+                    {
+                        "inputs": result.inputs,
+                        "generated": result.text,
+                        "tokens": result.tokens,
+                        "score": round(result.score, 6),
+                    }
                 )
-                out.flush()
-    finally:
-        if out is not sys.stdout:
-            out.close()
+                + "\n"
+            )
+            out.flush()
     seconds = time.perf_counter() - started
     print(
         f"{len(prompts)} prompt(s), {generated_tokens} tokens in {seconds:.1f} s including "

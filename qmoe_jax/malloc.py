@@ -34,6 +34,7 @@ re-executes anything: only a command's ``__main__`` calls it.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import os
 import platform
 import sys
@@ -136,7 +137,7 @@ def _started_as(entry: str) -> bool:
     argv = sys.orig_argv
     if entry.endswith(".py"):
         return any(os.path.isfile(arg) and os.path.samefile(arg, entry) for arg in argv[1:])
-    return any(flag == "-m" and name == entry for flag, name in zip(argv, argv[1:]))
+    return any(flag == "-m" and name == entry for flag, name in itertools.pairwise(argv))
 
 
 def reexec_with_huge_pages(entry: str) -> None:

@@ -105,7 +105,8 @@ inline __m512 _mm512_add_ps(__m512 a, __m512 b) {
 // a + b in the lanes of `mask`, src's lanes elsewhere.
 inline __m512 _mm512_mask_add_ps(__m512 src, __mmask16 mask, __m512 a, __m512 b) {
   __m512 r;
-  for (int i = 0; i < 16; ++i) r.lanes[i] = LaneSelected(mask, i) ? a.lanes[i] + b.lanes[i] : src.lanes[i];
+  for (int i = 0; i < 16; ++i)
+    r.lanes[i] = LaneSelected(mask, i) ? a.lanes[i] + b.lanes[i] : src.lanes[i];
   return r;
 }
 

@@ -50,10 +50,11 @@ __attribute__((always_inline)) inline void FactorItem(const float* matrix, int64
     row[j] = 1.0f;
     for (int64_t r = 0; r < j; ++r) {
       const float factor = columns[r * n + j];  // L_jr
-      const float* earlier = inverse + r * n;    // row r of L⁻¹: zero after column r
+      const float* earlier = inverse + r * n;   // row r of L⁻¹: zero after column r
       for (int64_t c = 0; c <= r; ++c) row[c] = row[c] - factor * earlier[c];
     }
-    // Entries after the diagonal are 0 · 1/pivot: zero, or NaN once a pivot has failed (as in the twin).
+    // Entries after the diagonal are 0 · 1/pivot: zero, or NaN once a pivot has failed (as in
+    // the twin).
     for (int64_t c = 0; c < n; ++c) row[c] = row[c] * reciprocal;
   }
   for (int64_t i = 0; i < n; ++i) {
@@ -63,12 +64,13 @@ __attribute__((always_inline)) inline void FactorItem(const float* matrix, int64
 
 using ItemFunction = void (*)(const float*, int64_t, float*, float*, float*);
 
-void FactorItemPortable(const float* matrix, int64_t n, float* lower, float* inverse, float* columns) {
+void FactorItemPortable(const float* matrix, int64_t n, float* lower, float* inverse,
+                        float* columns) {
   FactorItem(matrix, n, lower, inverse, columns);
 }
 
-__attribute__((target("avx2"))) void FactorItemAvx2(const float* matrix, int64_t n, float* lower, float* inverse,
-                                                    float* columns) {
+__attribute__((target("avx2"))) void FactorItemAvx2(const float* matrix, int64_t n, float* lower,
+                                                    float* inverse, float* columns) {
   FactorItem(matrix, n, lower, inverse, columns);
 }
 
@@ -82,13 +84,16 @@ ffi::Error CholeskyBaseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> matrix,
                             ffi::Result<ffi::Buffer<ffi::F32>> inverse) {
   const Dims dims = matrix.dimensions();
   if (dims.size() < 2 || dims[dims.size() - 1] != dims[dims.size() - 2]) {
-    return ffi::Error::InvalidArgument(std::string(kCholeskyBase) + ": matrix must be [B..., n, n]; got " +
-                                       ShapeString(dims));
+    return ffi::Error::InvalidArgument(std::string(kCholeskyBase) +
+                                       ": matrix must be [B..., n, n]; got " + ShapeString(dims));
   }
-  const auto same = [&](Dims other) { return std::equal(other.begin(), other.end(), dims.begin(), dims.end()); };
+  const auto same = [&](Dims other) {
+    return std::equal(other.begin(), other.end(), dims.begin(), dims.end());
+  };
   if (!same(lower->dimensions()) || !same(inverse->dimensions())) {
-    return ffi::Error::InvalidArgument(std::string(kCholeskyBase) + ": lower and inverse must have the matrix's " +
-                                       "shape " + ShapeString(dims) + "; got " + ShapeString(lower->dimensions()));
+    return ffi::Error::InvalidArgument(
+        std::string(kCholeskyBase) + ": lower and inverse must have the matrix's " + "shape " +
+        ShapeString(dims) + "; got " + ShapeString(lower->dimensions()));
   }
   ItemFunction factor_item;
   if (auto error = SelectIsaBuild<ItemFunction>(kCholeskyBase, FactorItemPortable, FactorItemAvx2,
@@ -113,7 +118,7 @@ ffi::Error CholeskyBaseImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> matrix,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeCholeskyBaseCpu, qmoe::cpu::CholeskyBaseImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // matrix [B..., n, n]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // lower [B..., n, n]
+                                  .Ctx<xla::ffi::ThreadPool>()               // XLA's intra-op pool
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // matrix [B..., n, n]
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // lower [B..., n, n]
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // inverse [B..., n, n]

@@ -50,31 +50,34 @@ struct Block {
 
 // Rows [begin, begin + count) of a row-major [rows, m] operand into a column-major tile
 // (tile[k * kRowsPerTask + i] = operand[begin + i][k]), rows from `count` on zero.
-__attribute__((always_inline)) inline void LoadTile(const float* operand, int64_t m, int64_t begin, int64_t count,
-                                                    float* tile) {
+__attribute__((always_inline)) inline void LoadTile(const float* operand, int64_t m, int64_t begin,
+                                                    int64_t count, float* tile) {
   for (int64_t i = 0; i < count; ++i) {
     const float* row = operand + (begin + i) * m;
     for (int64_t k = 0; k < m; ++k) tile[k * kRowsPerTask + i] = row[k];
   }
-  for (int64_t k = 0; k < m; ++k) std::fill(tile + k * kRowsPerTask + count, tile + (k + 1) * kRowsPerTask, 0.0f);
+  for (int64_t k = 0; k < m; ++k)
+    std::fill(tile + k * kRowsPerTask + count, tile + (k + 1) * kRowsPerTask, 0.0f);
 }
 
 // The inverse of LoadTile for the tile's first `count` rows.
 template <typename T>
-__attribute__((always_inline)) inline void StoreTile(const T* tile, int64_t m, int64_t begin, int64_t count,
-                                                     T* operand) {
+__attribute__((always_inline)) inline void StoreTile(const T* tile, int64_t m, int64_t begin,
+                                                     int64_t count, T* operand) {
   for (int64_t i = 0; i < count; ++i) {
     T* row = operand + (begin + i) * m;
     for (int64_t k = 0; k < m; ++k) row[k] = tile[k * kRowsPerTask + i];
   }
 }
 
-// Rounds the targets of kRowsPerTask rows to their grids (grids.py's `quantize`, tie rules included),
-// without branches, so that the loop vectorizes (random data made the branches mispredict: they took most
-// of the kernel's time). Padding rows (past the matrix's end) hold grid parameters that keep them at code 0.
+// Rounds the targets of kRowsPerTask rows to their grids (grids.py's `quantize`, tie rules
+// included), without branches, so that the loop vectorizes (random data made the branches
+// mispredict: they took most of the kernel's time). Padding rows (past the matrix's end) hold grid
+// parameters that keep them at code 0.
 __attribute__((always_inline)) inline void RoundTargets(const float* target, const float* first,
-                                                        const float* second, bool ternary, float top,
-                                                        float* dequantized, float* code) {
+                                                        const float* second, bool ternary,
+                                                        float top, float* dequantized,
+                                                        float* code) {
   if (ternary) {  // first = min, second = max; ties and zero levels go to code 0
     for (int64_t i = 0; i < kRowsPerTask; ++i) {
       const bool to_max = (target[i] > 0.5f * second[i]) & (second[i] > 0.0f);
@@ -82,9 +85,12 @@ __attribute__((always_inline)) inline void RoundTargets(const float* target, con
       dequantized[i] = to_max ? second[i] : (to_min ? first[i] : 0.0f);
       code[i] = to_max ? 2.0f : (to_min ? 1.0f : 0.0f);
     }
-  } else {  // first = scale, second = zero: clip(round(x / scale) + zero, 0, levels − 1), round half to even
+  } else {
+    // first = scale, second = zero: clip(round(x / scale) + zero, 0, levels − 1),
+    // round half to even
     for (int64_t i = 0; i < kRowsPerTask; ++i) {
-      const float level = std::min(std::max(std::nearbyint(target[i] / first[i]) + second[i], 0.0f), top);
+      const float level = std::min(std::max(std::nearbyint(target[i] / first[i]) + second[i], 0.0f),
+                                   top);
       code[i] = level;
       dequantized[i] = first[i] * (level - second[i]);
     }
@@ -95,14 +101,15 @@ __attribute__((always_inline)) inline void RoundTargets(const float* target, con
 // kScratchTiles * m * kRowsPerTask floats. Every loop runs over all kRowsPerTask rows:
 // rows past `count` carry weights and corrections 0, so their residuals stay 0 and
 // they never change the others.
-constexpr int64_t kScratchTiles = 4;  // corrections, weights, residuals, codes (as bytes, in a float tile)
+// The tiles: corrections, weights, residuals, codes (as bytes, in a float tile).
+constexpr int64_t kScratchTiles = 4;
 
-__attribute__((always_inline)) inline void QuantizeRows(const Block& block, int64_t begin, int64_t count,
-                                                        float* scratch) {
+__attribute__((always_inline)) inline void QuantizeRows(const Block& block, int64_t begin,
+                                                        int64_t count, float* scratch) {
   const bool ternary = block.levels == kTernaryLevels;
   const float top = static_cast<float>(block.levels - 1);
-  // Ternary: first = min, second = max; minmax: first = scale, second = zero. Padding rows get a grid
-  // that rounds their zero targets to code 0: ternary (0, 0), minmax scale 1, zero 0.
+  // Ternary: first = min, second = max; minmax: first = scale, second = zero. Padding rows get a
+  // grid that rounds their zero targets to code 0: ternary (0, 0), minmax scale 1, zero 0.
   float first[kRowsPerTask], second[kRowsPerTask], squared[kRowsPerTask];
   float target[kRowsPerTask], dequantized[kRowsPerTask], code[kRowsPerTask];
   for (int64_t i = 0; i < kRowsPerTask; ++i) {
@@ -117,8 +124,8 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
   uint8_t* code_tile = reinterpret_cast<uint8_t*>(scratch + 3 * tile);
   LoadTile(block.corrections, block.m, begin, count, scratch);
   LoadTile(block.weights, block.m, begin, count, weight_tile);
-  // Column k: round its targets, record residuals and codes in their tiles, accumulate squared errors;
-  // returns the column's residuals.
+  // Column k: round its targets, record residuals and codes in their tiles, accumulate squared
+  // errors; returns the column's residuals.
   const auto quantize_column = [&](int64_t k) __attribute__((always_inline)) {
     float* residual = residual_tile + k * kRowsPerTask;
     const float* weights = weight_tile + k * kRowsPerTask;
@@ -135,10 +142,10 @@ __attribute__((always_inline)) inline void QuantizeRows(const Block& block, int6
     for (int64_t i = 0; i < kRowsPerTask; ++i) codes[i] = static_cast<uint8_t>(code[i]);
     return static_cast<const float*>(residual);
   };
-  // Columns in pairs (k, k + 1): k's residual goes to column k + 1 first, which is then rounded, and both
-  // residuals go to the later columns in one pass, each correction still rounded after each product and
-  // each sum in the same order as one column at a time (so the bits are the same), with half the loads
-  // and stores of the corrections.
+  // Columns in pairs (k, k + 1): k's residual goes to column k + 1 first, which is then rounded,
+  // and both residuals go to the later columns in one pass, each correction still rounded after
+  // each product and each sum in the same order as one column at a time (so the bits are the same),
+  // with half the loads and stores of the corrections.
   for (int64_t k = 0; k < block.m; k += 2) {
     const float* residual = quantize_column(k);
     const float* row_k = block.scaled + k * block.m;
@@ -166,8 +173,8 @@ void QuantizeRowsPortable(const Block& block, int64_t begin, int64_t count, floa
   QuantizeRows(block, begin, count, scratch);
 }
 
-__attribute__((target("avx2"))) void QuantizeRowsAvx2(const Block& block, int64_t begin, int64_t count,
-                                                      float* scratch) {
+__attribute__((target("avx2"))) void QuantizeRowsAvx2(const Block& block, int64_t begin,
+                                                      int64_t count, float* scratch) {
   QuantizeRows(block, begin, count, scratch);
 }
 
@@ -177,25 +184,29 @@ QMOE_AVX512_TARGET("avx512f,avx512vl,avx512bw,avx512dq") void QuantizeRowsAvx512
 }
 
 ffi::Error ShapeError(const std::string& what, Dims dims) {
-  return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": " + what + "; got " + ShapeString(dims));
+  return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": " + what + "; got " +
+                                     ShapeString(dims));
 }
 
 bool SameLeading(Dims dims, Dims reference, size_t trailing, size_t reference_trailing) {
-  if (dims.size() < trailing || dims.size() - trailing != reference.size() - reference_trailing) return false;
+  if (dims.size() < trailing || dims.size() - trailing != reference.size() - reference_trailing)
+    return false;
   return std::equal(dims.begin(), dims.end() - trailing, reference.begin());
 }
 
 ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights,
                          ffi::Buffer<ffi::F32> corrections, ffi::Buffer<ffi::F32> scaled,
-                         ffi::Buffer<ffi::F32> factor_diag, ffi::Buffer<ffi::F32> params, int64_t levels,
-                         ffi::Result<ffi::Buffer<ffi::F32>> residuals,
+                         ffi::Buffer<ffi::F32> factor_diag, ffi::Buffer<ffi::F32> params,
+                         int64_t levels, ffi::Result<ffi::Buffer<ffi::F32>> residuals,
                          ffi::Result<ffi::Buffer<ffi::U8>> codes,
                          ffi::Result<ffi::Buffer<ffi::F32>> squared_errors) {
   const Dims dims = weights.dimensions();
   if (dims.size() < 2) return ShapeError("weights must be [B..., rows, m]", dims);
   const int64_t rows = dims[dims.size() - 2];
   const int64_t m = dims[dims.size() - 1];
-  const auto same = [&](Dims other) { return std::equal(other.begin(), other.end(), dims.begin(), dims.end()); };
+  const auto same = [&](Dims other) {
+    return std::equal(other.begin(), other.end(), dims.begin(), dims.end());
+  };
   if (!same(corrections.dimensions())) {
     return ShapeError("corrections must have the shape of weights " + ShapeString(dims),
                       corrections.dimensions());
@@ -212,7 +223,8 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights,
   const Dims params_dims = params.dimensions();
   if (!SameLeading(params_dims, dims, 2, 2) || params_dims[params_dims.size() - 2] != rows ||
       params_dims[params_dims.size() - 1] != 2) {
-    return ShapeError("params must be [B..., rows, 2] for weights " + ShapeString(dims), params_dims);
+    return ShapeError("params must be [B..., rows, 2] for weights " + ShapeString(dims),
+                      params_dims);
   }
   if (!same(residuals->dimensions()) || !same(codes->dimensions())) {
     return ShapeError("residuals and codes must have weights's shape " + ShapeString(dims),
@@ -220,10 +232,12 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights,
   }
   const Dims errors_dims = squared_errors->dimensions();
   if (!SameLeading(errors_dims, dims, 1, 2) || errors_dims[errors_dims.size() - 1] != rows) {
-    return ShapeError("squared_errors must be [B..., rows] for weights " + ShapeString(dims), errors_dims);
+    return ShapeError("squared_errors must be [B..., rows] for weights " + ShapeString(dims),
+                      errors_dims);
   }
   if (levels != kTernaryLevels && (levels < 2 || levels > kMaxLevels)) {
-    return ffi::Error::InvalidArgument(std::string(kGptqBlock) + ": levels must be 3 (ternary) or a minmax " +
+    return ffi::Error::InvalidArgument(std::string(kGptqBlock) +
+                                       ": levels must be 3 (ternary) or a minmax " +
                                        "grid's 2 ... 256 codes; got " + std::to_string(levels));
   }
   RowsFunction quantize_rows;
@@ -263,15 +277,16 @@ ffi::Error GptqBlockImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> weights,
 }  // namespace
 }  // namespace qmoe::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeGptqBlockCpu, qmoe::cpu::GptqBlockImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // weights [B..., rows, m]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // corrections [B..., rows, m]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // scaled [B..., m, m]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // factor_diag [B..., m]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()   // params [B..., rows, 2]
-                                  .Attr<int64_t>("levels")                  // 3 ternary, else minmax codes
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()   // residuals [B..., rows, m]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::U8>>()    // codes [B..., rows, m]
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // squared_errors [B..., rows]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    QmoeGptqBlockCpu, qmoe::cpu::GptqBlockImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()               // XLA's intra-op pool
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // weights [B..., rows, m]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // corrections [B..., rows, m]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // scaled [B..., m, m]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // factor_diag [B..., m]
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // params [B..., rows, 2]
+        .Attr<int64_t>("levels")                   // 3 ternary, else minmax codes
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()    // residuals [B..., rows, m]
+        .Ret<xla::ffi::Buffer<xla::ffi::U8>>()     // codes [B..., rows, m]
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>());  // squared_errors [B..., rows]

@@ -28,10 +28,10 @@ ffi::Error FailureError(const char* op, const CompressedOperands& w,
   return BadRowError(op, w, groups[index / w.rows].matrix, index % w.rows);
 }
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
-                      ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
-                      ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
-                      ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
+                      ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
+                      ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                      ffi::AnyBuffer x, ffi::Buffer<ffi::S32> counts,
                       ffi::Result<ffi::AnyBuffer> y) {
   const Dims y_dims = y->dimensions();
   const Dims x_dims = x.dimensions();
@@ -253,43 +253,46 @@ ffi::Error DequantizeImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
 
 }  // namespace qmoe::cpu
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulCpu, qmoe::cpu::MatmulImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
-                                  .Arg<xla::ffi::AnyBuffer>()               // x f32|bf16[B..., N, cols]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // counts i32[B...], tokens in use
-                                  .Ret<xla::ffi::AnyBuffer>());             // y [B..., N, rows]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    QmoeMatmulCpu, qmoe::cpu::MatmulImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
+        .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
+        .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
+        .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
+        .Arg<xla::ffi::AnyBuffer>()               // x f32|bf16[B..., N, cols]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // counts i32[B...], tokens in use
+        .Ret<xla::ffi::AnyBuffer>());             // y [B..., N, rows]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeMatmulTransposedCpu, qmoe::cpu::MatmulTransposedImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
-                                  .Arg<xla::ffi::AnyBuffer>()               // g f32|bf16[B..., N, rows]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // counts i32[B...], tokens in use
-                                  .Ret<xla::ffi::AnyBuffer>());             // dx [B..., N, cols]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    QmoeMatmulTransposedCpu, qmoe::cpu::MatmulTransposedImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
+        .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
+        .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
+        .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
+        .Arg<xla::ffi::AnyBuffer>()               // g f32|bf16[B..., N, rows]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // counts i32[B...], tokens in use
+        .Ret<xla::ffi::AnyBuffer>());             // dx [B..., N, cols]
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(QmoeDequantizeCpu, qmoe::cpu::DequantizeImpl,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::ThreadPool>()              // XLA's intra-op pool
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // masks u32[65536, 2]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U8>>()    // slots u8[65536, 16]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U32>>()   // words u32[65536]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::U16>>()   // codes u16[B..., n_codes]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()   // row_offsets i32[B..., rows + 1]
-                                  .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()  // minmax bf16[B..., rows, 2]
-                                  .Attr<int64_t>("cols")                    // columns of W
-                                  .Ret<xla::ffi::Buffer<xla::ffi::BF16>>());  // w bf16[B..., rows, cols]
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    QmoeDequantizeCpu, qmoe::cpu::DequantizeImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::ThreadPool>()                // XLA's intra-op pool
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // masks u32[65536, 2]
+        .Arg<xla::ffi::Buffer<xla::ffi::U8>>()      // slots u8[65536, 16]
+        .Arg<xla::ffi::Buffer<xla::ffi::U32>>()     // words u32[65536]
+        .Arg<xla::ffi::Buffer<xla::ffi::U16>>()     // codes u16[B..., n_codes]
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // row_offsets i32[B..., rows + 1]
+        .Arg<xla::ffi::Buffer<xla::ffi::BF16>>()    // minmax bf16[B..., rows, 2]
+        .Attr<int64_t>("cols")                      // columns of W
+        .Ret<xla::ffi::Buffer<xla::ffi::BF16>>());  // w bf16[B..., rows, cols]
 
 namespace qmoe::cpu {
 

@@ -43,10 +43,10 @@ ffi::Error CheckOffsetsOfMatrix(const char* op, const int32_t* offsets, int64_t 
   }
   for (int64_t r = 0; r < rows; ++r) {
     if (offsets[r + 1] < offsets[r]) {
-      return ffi::Error::InvalidArgument(
-          Prefix(op) + "row_offsets" + where + " decrease at row " + std::to_string(r) + " (" +
-          std::to_string(offsets[r]) + " then " + std::to_string(offsets[r + 1]) +
-          "); the compressed matrix is corrupt");
+      return ffi::Error::InvalidArgument(Prefix(op) + "row_offsets" + where + " decrease at row " +
+                                         std::to_string(r) + " (" + std::to_string(offsets[r]) +
+                                         " then " + std::to_string(offsets[r + 1]) +
+                                         "); the compressed matrix is corrupt");
     }
   }
   if (offsets[rows] > n_codes) {
@@ -117,16 +117,16 @@ ffi::Error CheckBroadcastShape(const char* op, const char* name, Dims dims,
   }
   if (ok) return ffi::Error::Success();
   return ffi::Error::InvalidArgument(
-      Prefix(op) + name + " must have shape " + expected + " with B... = " +
-      ShapeString(Dims(batch.data(), batch.size())) + " (each leading dim equal or 1); got " +
-      ShapeString(dims));
+      Prefix(op) + name + " must have shape " + expected +
+      " with B... = " + ShapeString(Dims(batch.data(), batch.size())) +
+      " (each leading dim equal or 1); got " + ShapeString(dims));
 }
 
 ffi::Error CheckCompressedShapes(const char* op, ffi::Buffer<ffi::U32> masks,
                                  ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
-                                 ffi::Buffer<ffi::U16> codes,
-                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
-                                 const std::vector<int64_t>& batch, int64_t cols, int64_t* rows) {
+                                 ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                                 ffi::Buffer<ffi::BF16> minmax, const std::vector<int64_t>& batch,
+                                 int64_t cols, int64_t* rows) {
   if (auto error = CheckDictionaryForm(op, "masks", masks.dimensions(), 2, "Dictionary.masks");
       error.failure()) {
     return error;
@@ -165,21 +165,21 @@ ffi::Error CheckCompressedShapes(const char* op, ffi::Buffer<ffi::U32> masks,
     return error;
   }
   if (cols < 0) {
-    return ffi::Error::InvalidArgument(Prefix(op) + "cols must be >= 0, got " + std::to_string(cols));
+    return ffi::Error::InvalidArgument(Prefix(op) + "cols must be >= 0, got " +
+                                       std::to_string(cols));
   }
   return ffi::Error::Success();
 }
 
 ffi::Error CheckCompressed(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
-                           ffi::Buffer<ffi::U32> words,
-                           ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
-                           ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t cols,
-                           CompressedOperands* operands) {
+                           ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
+                           ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                           Dims batch, int64_t cols, CompressedOperands* operands) {
   operands->batch.assign(batch.begin(), batch.end());
   const std::vector<int64_t>& leading = operands->batch;
   int64_t rows = 0;
-  if (auto error = CheckCompressedShapes(op, masks, slots, words, codes, row_offsets, minmax, leading,
-                                         cols, &rows);
+  if (auto error = CheckCompressedShapes(op, masks, slots, words, codes, row_offsets, minmax,
+                                         leading, cols, &rows);
       error.failure()) {
     return error;
   }
@@ -290,8 +290,8 @@ ffi::Error BadRowError(const char* op, const CompressedOperands& operands,
   for (int32_t k = matrix.row_offsets[row]; k < matrix.row_offsets[row + 1]; ++k) {
     weights += EntryLength(operands.dictionary, matrix.codes[k]);
   }
-  std::string expected = std::to_string(operands.padded_cols) + " (cols = " +
-                         std::to_string(operands.cols) +
+  std::string expected = std::to_string(operands.padded_cols) +
+                         " (cols = " + std::to_string(operands.cols) +
                          (operands.cols % 2 ? ", padded to even)" : ")");
   return ffi::Error::InvalidArgument(
       Prefix(op) + "row " + std::to_string(row) + OfBatch(operands.batch, matrix.batch_index) +

@@ -18,10 +18,10 @@ using Dims = xla::ffi::Span<const int64_t>;
 
 // One compressed matrix inside the operands.
 struct WeightMatrix {
-  const uint16_t* codes;        // the matrix's code stream
-  const int32_t* row_offsets;   // [rows + 1], validated
-  const uint16_t* minmax;       // bf16 bits, [rows][2] = (min, max)
-  int64_t batch_index;          // flat index over B... of its first use, for messages
+  const uint16_t* codes;       // the matrix's code stream
+  const int32_t* row_offsets;  // [rows + 1], validated
+  const uint16_t* minmax;      // bf16 bits, [rows][2] = (min, max)
+  int64_t batch_index;         // flat index over B... of its first use, for messages
 };
 
 // The compressed operands of one call, validated.
@@ -126,14 +126,11 @@ xla::ffi::Error CheckDequantizeResult(const char* op, Dims dims, int64_t cols);
 // Checks the shapes of masks, slots, words, minmax [B'..., rows, 2], codes
 // [B'..., n_codes] and row_offsets [B'..., rows + 1] (each B' broadcasting to
 // `batch`) and that cols >= 0; sets `rows`. Nothing is read from the buffers.
-xla::ffi::Error CheckCompressedShapes(const char* op, xla::ffi::Buffer<xla::ffi::U32> masks,
-                                      xla::ffi::Buffer<xla::ffi::U8> slots,
-                                      xla::ffi::Buffer<xla::ffi::U32> words,
-                                      xla::ffi::Buffer<xla::ffi::U16> codes,
-                                      xla::ffi::Buffer<xla::ffi::S32> row_offsets,
-                                      xla::ffi::Buffer<xla::ffi::BF16> minmax,
-                                      const std::vector<int64_t>& batch, int64_t cols,
-                                      int64_t* rows);
+xla::ffi::Error CheckCompressedShapes(
+    const char* op, xla::ffi::Buffer<xla::ffi::U32> masks, xla::ffi::Buffer<xla::ffi::U8> slots,
+    xla::ffi::Buffer<xla::ffi::U32> words, xla::ffi::Buffer<xla::ffi::U16> codes,
+    xla::ffi::Buffer<xla::ffi::S32> row_offsets, xla::ffi::Buffer<xla::ffi::BF16> minmax,
+    const std::vector<int64_t>& batch, int64_t cols, int64_t* rows);
 
 // Checks that `dims` is [B'..., trailing...] with B' broadcasting to `batch`
 // (same rank, each dim equal or 1) and the trailing dims as given (-1: any).

@@ -86,8 +86,7 @@ struct RowKernels {
   // sum[0:16] = sum over i of table[16 * index[i] : 16 * index[i] + 16].
   void (*gather_token_rows)(const float* table, const int32_t* index, int64_t count, float* sum);
   // table[16 * index[i] : 16 * index[i] + 16] += value[0:16] for every i.
-  void (*scatter_token_rows)(float* table, const int32_t* index, int64_t count,
-                             const float* value);
+  void (*scatter_token_rows)(float* table, const int32_t* index, int64_t count, const float* value);
 };
 
 const RowKernels& PortableRowKernels();
@@ -96,7 +95,8 @@ const RowKernels& Avx512RowKernels();  // call only where CpuHasAvx512()
 
 bool CpuHasAvx2();
 bool CpuHasAvx512();
-// Instruction sets the row kernels can run here, fastest first; "auto" (QMOE_CPU_ISA unset) takes the first.
+// Instruction sets the row kernels can run here, fastest first; "auto" (QMOE_CPU_ISA unset) takes
+// the first.
 std::vector<const char*> CpuIsas();
 
 // A codeword's length in weights (0..31) from its slots (AVX-512); the

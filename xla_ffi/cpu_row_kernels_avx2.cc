@@ -110,9 +110,8 @@ QMOE_AVX2_INLINE const float* AddCodeword(const DictionaryView& dictionary,
 // 31 weights, so its windows end within kRowsDotSlack. The sums are the same
 // products added in the same order as one codeword at a time: same bits.
 template <bool kFourth, bool kOverflow>
-QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& rows,
-                              const float* x, int64_t padded_cols, float* plus_sums,
-                              float* minus_sums) {
+QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
+                              int64_t padded_cols, float* plus_sums, float* minus_sums) {
   const WordClasses& classes = WordClassTable();
   const WordControls controls = MakeWordControls();
   const uint32_t* words = dictionary.words;
@@ -141,9 +140,9 @@ QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& r
     }
     for (; k < end; ++k) {
       if (window >= x_end) return r;
-      _mm_prefetch(reinterpret_cast<const char*>(
-                       words + codes[std::min(k + kPrefetchDistance, last_code)]),
-                   _MM_HINT_T0);
+      _mm_prefetch(
+          reinterpret_cast<const char*>(words + codes[std::min(k + kPrefetchDistance, last_code)]),
+          _MM_HINT_T0);
       window = AddCodeword<kFourth, kOverflow>(dictionary, classes, controls, codes[k], window,
                                                &total, &overflow_plus, &overflow_minus);
     }
@@ -156,11 +155,10 @@ QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& r
 
 QMOE_AVX2 int64_t RowsDot(const DictionaryView& dictionary, const RowSpan& rows, const float* x,
                           int64_t padded_cols, float* plus_sums, float* minus_sums) {
-  const auto run = dictionary.words_fourth
-                       ? (dictionary.words_overflow ? RowsDotWith<true, true>
-                                                    : RowsDotWith<true, false>)
-                       : (dictionary.words_overflow ? RowsDotWith<false, true>
-                                                    : RowsDotWith<false, false>);
+  const auto run =
+      dictionary.words_fourth
+          ? (dictionary.words_overflow ? RowsDotWith<true, true> : RowsDotWith<true, false>)
+          : (dictionary.words_overflow ? RowsDotWith<false, true> : RowsDotWith<false, false>);
   return run(dictionary, rows, x, padded_cols, plus_sums, minus_sums);
 }
 
@@ -200,8 +198,9 @@ QMOE_AVX2 bool RowNonzerosWith(const DictionaryView& dictionary, const uint16_t*
         const __m128i minus_order =
             _mm_load_si128(reinterpret_cast<const __m128i*>(classes.minus_fields[kind]));
         _mm_storeu_si128(reinterpret_cast<__m128i*>(plus_index + plus_size), fields);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(minus_index + minus_size),
-                         _mm_castps_si128(_mm_permutevar_ps(_mm_castsi128_ps(fields), minus_order)));
+        _mm_storeu_si128(
+            reinterpret_cast<__m128i*>(minus_index + minus_size),
+            _mm_castps_si128(_mm_permutevar_ps(_mm_castsi128_ps(fields), minus_order)));
         plus_size += classes.plus_count[kind];
         minus_size += classes.minus_count[kind];
       }
@@ -262,8 +261,7 @@ bool CpuHasAvx2() {
 }
 
 const RowKernels& Avx2RowKernels() {
-  static const RowKernels kernels{"avx2", RowsDot, RowNonzeros, GatherTokenRows,
-                                  ScatterTokenRows};
+  static const RowKernels kernels{"avx2", RowsDot, RowNonzeros, GatherTokenRows, ScatterTokenRows};
   return kernels;
 }
 

@@ -179,10 +179,10 @@ bool RowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, int64_
                  int64_t padded_cols, int32_t* plus_index, int64_t* plus_count,
                  int32_t* minus_index, int64_t* minus_count) {
   return dictionary.slots_overflow
-             ? RowNonzerosWith<true>(dictionary, codes, count, padded_cols, plus_index,
-                                     plus_count, minus_index, minus_count)
-             : RowNonzerosWith<false>(dictionary, codes, count, padded_cols, plus_index,
-                                      plus_count, minus_index, minus_count);
+             ? RowNonzerosWith<true>(dictionary, codes, count, padded_cols, plus_index, plus_count,
+                                     minus_index, minus_count)
+             : RowNonzerosWith<false>(dictionary, codes, count, padded_cols, plus_index, plus_count,
+                                      minus_index, minus_count);
 }
 
 QMOE_AVX512 void GatherTokenRows(const float* table, const int32_t* index, int64_t count,
@@ -192,8 +192,8 @@ QMOE_AVX512 void GatherTokenRows(const float* table, const int32_t* index, int64
   int64_t i = 0;
   for (; i + 4 <= count; i += 4) {
     for (int lane = 0; lane < 4; ++lane) {
-      total[lane] =
-          _mm512_add_ps(total[lane], _mm512_loadu_ps(table + kTokenLanes * index[i + lane]));
+      total[lane] = _mm512_add_ps(total[lane],
+                                  _mm512_loadu_ps(table + kTokenLanes * index[i + lane]));
     }
   }
   for (; i < count; ++i) {

@@ -17,8 +17,8 @@ const WordClasses& WordClassTable() {
         classes.minus_count[kind] = minus;
         for (int field = 0; field < kWordFields; ++field) {
           classes.weights[kind][field] = field < plus ? 1.0f : 0.0f;
-          classes.weights[kind][kWordFields + field] =
-              field >= plus && field < plus + minus ? 1.0f : 0.0f;
+          classes.weights[kind][kWordFields + field] = field >= plus && field < plus + minus ? 1.0f
+                                                                                             : 0.0f;
           classes.minus_fields[kind][field] = std::min(plus + field, kWordFields - 1);
         }
       }
@@ -115,8 +115,8 @@ bool WordsRowNonzeros(const DictionaryView& dictionary, const uint16_t* codes, i
 
 namespace {
 
-bool RowDot(const DictionaryView& dictionary, const uint16_t* codes, int64_t count,
-            const float* x, int64_t padded_cols, float* plus_sum, float* minus_sum) {
+bool RowDot(const DictionaryView& dictionary, const uint16_t* codes, int64_t count, const float* x,
+            int64_t padded_cols, float* plus_sum, float* minus_sum) {
   const WordClasses& classes = WordClassTable();
   float plus_total = 0.0f;
   float minus_total = 0.0f;

@@ -63,11 +63,11 @@ void ZeroUnusedTokens(const DenseRows& out, int64_t tokens,
 }
 
 std::vector<const char*> CpuIsas() {
-  // On AMD CPUs the AVX2 row kernels come first even where AVX-512 exists: on a Zen 4 (2 cores, 32 MB
-  // L3) they ran the one-token product 1.27-1.32x as fast back to back and 1.3-1.6x under the rotating
-  // expert pattern, the 16-token product 1.1-1.3x (docs/cpu_kernels.md §1). Elsewhere AVX-512 first.
-  // The GPTQ block and Cholesky kernels follow the same choice (SelectIsaBuild); on that Zen 4 their
-  // AVX2 and AVX-512 builds ran at the same speed (docs/calibration.md §4).
+  // On AMD CPUs the AVX2 row kernels come first even where AVX-512 exists: on a Zen 4 (2 cores, 32
+  // MB L3) they ran the one-token product 1.27-1.32x as fast back to back and 1.3-1.6x under the
+  // rotating expert pattern, the 16-token product 1.1-1.3x (docs/cpu_kernels.md §1). Elsewhere
+  // AVX-512 first. The GPTQ block and Cholesky kernels follow the same choice (SelectIsaBuild); on
+  // that Zen 4 their AVX2 and AVX-512 builds ran at the same speed (docs/calibration.md §4).
   const bool avx512 = CpuHasAvx512(), avx2 = CpuHasAvx2();
   const bool avx2_first = avx2 && __builtin_cpu_is("amd");
   std::vector<const char*> isas;
@@ -96,7 +96,8 @@ ffi::Error SelectKernels(const char* op, const RowKernels** kernels) {
   } else {
     return ffi::Error::InvalidArgument(std::string(op) +
                                        ": QMOE_CPU_ISA must be auto, avx512, avx2 or portable; "
-                                       "got '" + std::string(isa) + "'");
+                                       "got '" +
+                                       std::string(isa) + "'");
   }
   return ffi::Error::Success();
 }
@@ -183,8 +184,8 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
     const int64_t count = rows.end - rows.begin;
     float* plus = Reserve(scratch.sums, 2 * count);
     float* minus = plus + count;
-    const int64_t end = kernels.rows_dot(w.dictionary, {matrix.codes, matrix.row_offsets,
-                                                        rows.begin, rows.end},
+    const int64_t end = kernels.rows_dot(w.dictionary,
+                                         {matrix.codes, matrix.row_offsets, rows.begin, rows.end},
                                          tokens, w.padded_cols, plus, minus);
     if (end < rows.end) failure.Record(unit.group * w.rows + end);
     for (int64_t r = rows.begin; r < end; ++r) {
@@ -215,8 +216,8 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
 }
 
 void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
-                    const std::vector<TokenGroup>& groups, const Unit& unit,
-                    const float* gradient, RowRange rows, float* sums, FirstFailure& failure) {
+                    const std::vector<TokenGroup>& groups, const Unit& unit, const float* gradient,
+                    RowRange rows, float* sums, FirstFailure& failure) {
   const WeightMatrix& matrix = groups[unit.group].matrix;
   RowDecoder decoder(w, kernels);
   for (int64_t r = rows.begin; r < rows.end; ++r) {

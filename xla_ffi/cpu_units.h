@@ -130,7 +130,7 @@ void MatmulRows(const CompressedOperands& w, const RowKernels& kernels,
 // token-major tables of width cols; `gradient` holds the unit's g as tables
 // of width rows (LoadTokens). Failures are recorded as in MatmulRows.
 void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
-                    const std::vector<TokenGroup>& groups, const Unit& unit,
-                    const float* gradient, RowRange rows, float* sums, FirstFailure& failure);
+                    const std::vector<TokenGroup>& groups, const Unit& unit, const float* gradient,
+                    RowRange rows, float* sums, FirstFailure& failure);
 
 }  // namespace qmoe::cpu

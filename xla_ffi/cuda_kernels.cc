@@ -70,8 +70,8 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
   const DenseOperand dense{"x", x_dims, /*width_is_rows=*/false, counts.dimensions()};
   Layout layout;
   if (auto error = CheckOperands(kMatmul, masks, slots, words, codes, row_offsets, minmax,
-                                 Dims(y_dims.begin(), y_dims.size() - 2),
-                                 y_dims[y_dims.size() - 2], x_dims.back(), &dense, &layout);
+                                 Dims(y_dims.begin(), y_dims.size() - 2), y_dims[y_dims.size() - 2],
+                                 x_dims.back(), &dense, &layout);
       error.failure()) {
     return error;
   }
@@ -86,8 +86,10 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
     return error;
   }
   if (y->element_count() == 0) return ffi::Error::Success();
-  const DenseView x_y{x.untyped_data(), y->untyped_data(),
-                      x.element_type() == ffi::DataType::BF16, layout.tokens,
+  const DenseView x_y{x.untyped_data(),
+                      y->untyped_data(),
+                      x.element_type() == ffi::DataType::BF16,
+                      layout.tokens,
                       {counts.typed_data(), layout.entry_tokens}};
   if (cudaError_t status = LaunchMatmul(w, x_y, device, stream); status != cudaSuccess) {
     return CudaFailure(kMatmul, "launching the matmul kernel", status);
@@ -95,10 +97,9 @@ ffi::Error MatmulImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
-                                ffi::ScratchAllocator scratch, ffi::Buffer<ffi::U32> masks,
-                                ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
-                                ffi::Buffer<ffi::U16> codes,
+ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
+                                ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
+                                ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
                                 ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
                                 ffi::AnyBuffer g, ffi::Buffer<ffi::S32> counts,
                                 ffi::Result<ffi::AnyBuffer> dx) {
@@ -137,8 +138,8 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
   }
   cudaError_t status = cudaMemsetAsync(sums, 0, count * sizeof(float), stream);
   if (status == cudaSuccess && layout.rows > 0) {
-    const DenseView g_view{g.untyped_data(), nullptr, bf16, layout.tokens,
-                           {counts.typed_data(), layout.entry_tokens}};
+    const DenseView g_view{
+        g.untyped_data(), nullptr, bf16, layout.tokens, {counts.typed_data(), layout.entry_tokens}};
     status = LaunchMatmulTransposed(w, g_view, sums, device, stream);
   }
   if (status == cudaSuccess && bf16) {
@@ -152,9 +153,8 @@ ffi::Error MatmulTransposedImpl(cudaStream_t stream, int32_t device,
 ffi::Error DequantizeImpl(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                           ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
                           ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
-                          ffi::Buffer<ffi::S32> row_offsets,
-                          ffi::Buffer<ffi::BF16> minmax, int64_t cols,
-                          ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
+                          ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                          int64_t cols, ffi::Result<ffi::Buffer<ffi::BF16>> weights) {
   const Dims dims = weights->dimensions();
   if (auto error = CheckDequantizeResult(kDequantize, dims, cols); error.failure()) return error;
   Layout layout;

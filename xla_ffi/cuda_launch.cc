@@ -32,14 +32,14 @@ dim3 GridFor(const void* kernel, int64_t shared_bytes, int64_t row_blocks, int64
   int multiprocessors = 1;
   int blocks_per_multiprocessor = 1;
   cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_multiprocessor, kernel,
-                                                kBlockThreads, shared_bytes);
-  const int64_t resident =
-      std::max(1, multiprocessors) * static_cast<int64_t>(std::max(1, blocks_per_multiprocessor));
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_multiprocessor, kernel, kBlockThreads,
+                                                shared_bytes);
+  const int64_t resident = std::max(1, multiprocessors) *
+                           static_cast<int64_t>(std::max(1, blocks_per_multiprocessor));
   const int64_t grid_y = std::clamp<int64_t>(tiles, 1, kMaxGridYZ);
   const int64_t grid_z = std::clamp<int64_t>(batch, 1, kMaxGridYZ);
-  const int64_t grid_x =
-      std::clamp<int64_t>(CeilDiv(2 * resident, grid_y * grid_z), 1, std::max<int64_t>(row_blocks, 1));
+  const int64_t grid_x = std::clamp<int64_t>(CeilDiv(2 * resident, grid_y * grid_z), 1,
+                                             std::max<int64_t>(row_blocks, 1));
   return dim3(static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y),
               static_cast<unsigned>(grid_z));
 }

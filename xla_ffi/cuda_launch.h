@@ -91,8 +91,8 @@ cudaError_t LaunchCheckOffsets(const int32_t* row_offsets, int64_t matrices, int
                                cudaStream_t stream);
 
 // Rows that do not decode (with valid offsets): key b << 32 | row.
-cudaError_t LaunchCheckRows(const CompressedView& w, unsigned long long* first_failure,
-                            int device, cudaStream_t stream);
+cudaError_t LaunchCheckRows(const CompressedView& w, unsigned long long* first_failure, int device,
+                            cudaStream_t stream);
 
 // *weights = the weights that row `row` of batch entry `b` decodes to, all of
 // its codewords counted (its offsets already checked).

@@ -48,8 +48,7 @@ __device__ __forceinline__ void LoadColumn(const float* staged, float (&values)[
 }
 
 template <int kTokens>
-__device__ __forceinline__ void LoadColumn(const __nv_bfloat16* staged,
-                                           float (&values)[kTokens]) {
+__device__ __forceinline__ void LoadColumn(const __nv_bfloat16* staged, float (&values)[kTokens]) {
   if constexpr (kTokens == 1) {
     values[0] = __bfloat162float(staged[0]);
   } else if constexpr (kTokens == 2) {
@@ -89,8 +88,8 @@ __device__ void StageTokens(const T* __restrict__ x, uint32_t in_use, int64_t fi
 // Writes zeros to the y rows of the tokens not in use; the grid's warps take
 // (entry, token) pairs in turn.
 template <typename T>
-__device__ void ZeroUnusedTokens(const BatchMap& batch, const TokenCounts& counts,
-                                 int64_t tokens, int32_t rows, T* __restrict__ y) {
+__device__ void ZeroUnusedTokens(const BatchMap& batch, const TokenCounts& counts, int64_t tokens,
+                                 int32_t rows, T* __restrict__ y) {
   constexpr int64_t kWarps = kBlockThreads / 32;
   const int64_t warp = (int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t warps = int64_t{gridDim.x} * gridDim.y * kWarps;
@@ -166,8 +165,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1)
 }
 
 template <int kTeam, int kTokens, typename T, bool kStaged>
-cudaError_t Launch(const CompressedView& w, const DenseView& x_y, int device,
-                   cudaStream_t stream) {
+cudaError_t Launch(const CompressedView& w, const DenseView& x_y, int device, cudaStream_t stream) {
   const auto kernel = &MatmulKernel<kTeam, kTokens, T, kStaged>;
   const int64_t shared_bytes = kStaged ? int64_t{w.cols} * kTokens * int64_t{sizeof(T)} : 0;
   // The batch folds into x (cuda_tokens.cuh).

@@ -35,14 +35,14 @@ std::vector<int64_t> BatchStrides(Dims dims, size_t batch_rank) {
 }  // namespace
 
 ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
-                         ffi::Buffer<ffi::U32> words,
-                         ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
-                         ffi::Buffer<ffi::BF16> minmax, Dims batch, int64_t tokens, int64_t cols,
-                         const DenseOperand* dense, Layout* layout) {
+                         ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
+                         ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                         Dims batch, int64_t tokens, int64_t cols, const DenseOperand* dense,
+                         Layout* layout) {
   const std::vector<int64_t> leading(batch.begin(), batch.end());
   int64_t rows = 0;
-  if (auto error = cpu::CheckCompressedShapes(op, masks, slots, words, codes, row_offsets, minmax, leading,
-                                              cols, &rows);
+  if (auto error = cpu::CheckCompressedShapes(op, masks, slots, words, codes, row_offsets, minmax,
+                                              leading, cols, &rows);
       error.failure()) {
     return error;
   }
@@ -52,8 +52,8 @@ ffi::Error CheckOperands(const char* op, ffi::Buffer<ffi::U32> masks, ffi::Buffe
         "] is too large for the CUDA kernels (at most 2^30 columns and 2^31 - 2 rows)");
   }
   const std::vector<int64_t> codes_strides = BatchStrides(codes.dimensions(), leading.size());
-  const std::vector<int64_t> offsets_strides =
-      BatchStrides(row_offsets.dimensions(), leading.size());
+  const std::vector<int64_t> offsets_strides = BatchStrides(row_offsets.dimensions(),
+                                                            leading.size());
   const std::vector<int64_t> minmax_strides = BatchStrides(minmax.dimensions(), leading.size());
   std::vector<int64_t> dense_strides(leading.size(), 0);
   std::vector<int64_t> counts_strides(leading.size(), 0);

@@ -29,8 +29,7 @@
 namespace qmoe::cuda {
 
 // Tokens in use of the batch entry at `index`: its count clamped to [0, N].
-__device__ __forceinline__ int64_t UsedTokens(const TokenCounts& counts,
-                                              const MatrixIndex& index) {
+__device__ __forceinline__ int64_t UsedTokens(const TokenCounts& counts, const MatrixIndex& index) {
   const int64_t count = __ldg(counts.counts + index.counts);
   return count < 0 ? 0 : (count > counts.entry_tokens ? counts.entry_tokens : count);
 }
@@ -83,17 +82,16 @@ class EntriesInUse {
   // Bit l: entry first + l has tokens in use.
   __device__ uint32_t Ballot(int64_t first) const {
     const int64_t b = first + threadIdx.x % 32;
-    return __ballot_sync(0xffffffffu,
-                         b < batch_.size && UsedTokens(counts_, batch_.Locate(b)) > 0);
+    return __ballot_sync(0xffffffffu, b < batch_.size && UsedTokens(counts_, batch_.Locate(b)) > 0);
   }
 
   const BatchMap& batch_;
   const TokenCounts& counts_;
   int64_t in_use_ = 0;
   int64_t slices_ = 1;
-  int64_t first_ = 0;     // the entries the ballot window starts at
-  int64_t before_ = 0;    // entries in use before first_
-  uint32_t window_ = 0;   // the ballot of entries first_ .. first_ + 31
+  int64_t first_ = 0;    // the entries the ballot window starts at
+  int64_t before_ = 0;   // entries in use before first_
+  uint32_t window_ = 0;  // the ballot of entries first_ .. first_ + 31
 };
 
 }  // namespace qmoe::cuda

@@ -138,8 +138,8 @@ cudaError_t LaunchMatmulTransposed(const CompressedView& w, const DenseView& g, 
 cudaError_t LaunchRoundToBf16(const float* sums, uint16_t* out, int64_t count, int device,
                               cudaStream_t stream) {
   const auto kernel = &RoundToBf16Kernel;
-  const dim3 grid = GridFor(reinterpret_cast<const void*>(kernel), 0,
-                            CeilDiv(count, kBlockThreads), 1, 1, device);
+  const dim3 grid = GridFor(reinterpret_cast<const void*>(kernel), 0, CeilDiv(count, kBlockThreads),
+                            1, 1, device);
   kernel<<<grid, kBlockThreads, 0, stream>>>(sums, reinterpret_cast<__nv_bfloat16*>(out), count);
   return cudaGetLastError();
 }

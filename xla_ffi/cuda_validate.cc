@@ -23,8 +23,7 @@ ffi::Error CudaFailure(const char* op, const char* what, cudaError_t status) {
 // Copies `bytes` from the device to `host` and waits for the stream.
 ffi::Error Fetch(const char* op, void* host, const void* device_data, size_t bytes,
                  cudaStream_t stream) {
-  cudaError_t status =
-      cudaMemcpyAsync(host, device_data, bytes, cudaMemcpyDeviceToHost, stream);
+  cudaError_t status = cudaMemcpyAsync(host, device_data, bytes, cudaMemcpyDeviceToHost, stream);
   if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
   if (status != cudaSuccess) return CudaFailure(op, "reading the validation result", status);
   return ffi::Error::Success();
@@ -49,10 +48,10 @@ ffi::Error OffsetsError(const char* op, const CompressedView& w, const Layout& l
                                        ", not 0; the compressed matrix is corrupt");
   }
   if (kind == kOffsetsDecrease) {
-    return ffi::Error::InvalidArgument(
-        Prefix(op) + "row_offsets" + where + " decrease at row " + std::to_string(entry) + " (" +
-        std::to_string(values[0]) + " then " + std::to_string(values[1]) +
-        "); the compressed matrix is corrupt");
+    return ffi::Error::InvalidArgument(Prefix(op) + "row_offsets" + where + " decrease at row " +
+                                       std::to_string(entry) + " (" + std::to_string(values[0]) +
+                                       " then " + std::to_string(values[1]) +
+                                       "); the compressed matrix is corrupt");
   }
   return ffi::Error::InvalidArgument(
       Prefix(op) + "row_offsets" + where + " end at codeword " + std::to_string(values[0]) +
@@ -61,8 +60,7 @@ ffi::Error OffsetsError(const char* op, const CompressedView& w, const Layout& l
 }
 
 ffi::Error BadRowError(const char* op, const CompressedView& w, const Layout& layout,
-                       unsigned long long key, long long* weights_on_device,
-                       cudaStream_t stream) {
+                       unsigned long long key, long long* weights_on_device, cudaStream_t stream) {
   const int64_t b = static_cast<int64_t>(key >> 32);
   const int32_t row = static_cast<int32_t>(key & 0xffffffffu);
   if (cudaError_t status = LaunchCountRowWeights(w, b, row, weights_on_device, stream);
@@ -75,8 +73,8 @@ ffi::Error BadRowError(const char* op, const CompressedView& w, const Layout& la
     return error;
   }
   const int64_t padded_cols = layout.cols + (layout.cols & 1);
-  const std::string expected = std::to_string(padded_cols) + " (cols = " +
-                               std::to_string(layout.cols) +
+  const std::string expected = std::to_string(padded_cols) +
+                               " (cols = " + std::to_string(layout.cols) +
                                (layout.cols % 2 ? ", padded to even)" : ")");
   return ffi::Error::InvalidArgument(
       Prefix(op) + "row " + std::to_string(row) + OfBatch(layout.result_batch, b * layout.fold) +

@@ -39,14 +39,16 @@ __global__ void __launch_bounds__(kBlockThreads)
     CheckRowsKernel(const CompressedView w, unsigned long long* first_failure) {
   const Team<32> team;
   const int64_t items = w.batch.size * w.rows;
-  for (int64_t item = int64_t{blockIdx.x} * Team<32>::kPerBlock + Team<32>::InBlock();
-       item < items; item += int64_t{gridDim.x} * Team<32>::kPerBlock) {
+  for (int64_t item = int64_t{blockIdx.x} * Team<32>::kPerBlock + Team<32>::InBlock(); item < items;
+       item += int64_t{gridDim.x} * Team<32>::kPerBlock) {
     const int64_t b = item / w.rows;
     const int32_t row = static_cast<int32_t>(item % w.rows);
     const MatrixView matrix = MatrixView::Of(w, w.batch.Locate(b));
-    const bool ok = DecodeRow(team, w.masks, matrix, row, w.cols, [](int32_t, uint32_t, uint32_t) {});
+    const bool ok = DecodeRow(team, w.masks, matrix, row, w.cols,
+                              [](int32_t, uint32_t, uint32_t) {});
     if (!ok && team.lane() == 0) {
-      atomicMin(first_failure, (static_cast<unsigned long long>(b) << 32) | static_cast<unsigned>(row));
+      atomicMin(first_failure,
+                (static_cast<unsigned long long>(b) << 32) | static_cast<unsigned>(row));
     }
   }
 }
@@ -76,8 +78,8 @@ cudaError_t LaunchCheckOffsets(const int32_t* row_offsets, int64_t matrices, int
   return cudaGetLastError();
 }
 
-cudaError_t LaunchCheckRows(const CompressedView& w, unsigned long long* first_failure,
-                            int device, cudaStream_t stream) {
+cudaError_t LaunchCheckRows(const CompressedView& w, unsigned long long* first_failure, int device,
+                            cudaStream_t stream) {
   const auto kernel = &CheckRowsKernel;
   const dim3 grid = GridFor(reinterpret_cast<const void*>(kernel), 0,
                             CeilDiv(w.batch.size * w.rows, Team<32>::kPerBlock), 1, 1, device);

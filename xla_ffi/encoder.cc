@@ -113,8 +113,8 @@ struct RowChunk {
   bool out_of_memory = false;
 };
 
-void EncodeChunk(const uint8_t* input, int64_t cols, const int32_t* children,
-                 int64_t* row_lengths, RowChunk* chunk) {
+void EncodeChunk(const uint8_t* input, int64_t cols, const int32_t* children, int64_t* row_lengths,
+                 RowChunk* chunk) {
   const int64_t max_codes_per_row = PaddedCols(cols) / 2;
   const int64_t rows = chunk->end_row - chunk->first_row;
   try {
@@ -125,8 +125,8 @@ void EncodeChunk(const uint8_t* input, int64_t cols, const int32_t* children,
       if (used + max_codes_per_row > static_cast<int64_t>(chunk->codes.size())) {
         chunk->codes.resize(static_cast<size_t>(2 * (used + max_codes_per_row)));
       }
-      const int64_t written =
-          EncodeRow(input + r * cols, cols, children, chunk->codes.data() + used, &chunk->failure);
+      const int64_t written = EncodeRow(input + r * cols, cols, children,
+                                        chunk->codes.data() + used, &chunk->failure);
       if (written < 0) {
         chunk->failure.row = r;
         break;
@@ -183,8 +183,9 @@ uint64_t EntryKey(uint32_t word0, uint32_t word1, int64_t index) {
       (word1 & kEntryPairCountMask) != pair_count) {
     throw py::value_error("dictionary entry " + std::to_string(index) + " has pair counts " +
                           std::to_string(word0 & kEntryPairCountMask) + " and " +
-                          std::to_string(word1 & kEntryPairCountMask) + ", expected one count in 1.." +
-                          std::to_string(kMaxPairsPerCode) + "; the dictionary is corrupt");
+                          std::to_string(word1 & kEntryPairCountMask) +
+                          ", expected one count in 1.." + std::to_string(kMaxPairsPerCode) +
+                          "; the dictionary is corrupt");
   }
   uint64_t key = uint64_t{pair_count} << 56;
   for (uint32_t k = 0; k < 2 * kMaxPairsPerCode; ++k) {
@@ -192,14 +193,16 @@ uint64_t EntryKey(uint32_t word0, uint32_t word1, int64_t index) {
     const uint32_t weight = (word >> (4 + 2 * (k % kMaxPairsPerCode))) & 3u;
     if (k >= 2 * pair_count) {
       if (weight != 0) {
-        throw py::value_error("dictionary entry " + std::to_string(index) +
-                              " has a non-zero weight past its pair count; the dictionary is corrupt");
+        throw py::value_error(
+            "dictionary entry " + std::to_string(index) +
+            " has a non-zero weight past its pair count; the dictionary is corrupt");
       }
       continue;
     }
     if (weight > 2) {
-      throw py::value_error("dictionary entry " + std::to_string(index) +
-                            " holds weight code 3, which is not ternary; the dictionary is corrupt");
+      throw py::value_error(
+          "dictionary entry " + std::to_string(index) +
+          " holds weight code 3, which is not ternary; the dictionary is corrupt");
     }
     key += uint64_t{k % 2 == 0 ? weight : 3 * weight} << (4 * (k / 2));
   }
@@ -209,8 +212,8 @@ uint64_t EntryKey(uint32_t word0, uint32_t word1, int64_t index) {
 EncoderTable::EncoderTable(const py::array& entries) {
   if (!entries.dtype().is(py::dtype::of<uint32_t>()) || entries.ndim() != 2 ||
       entries.shape(0) != kDictionaryEntries || entries.shape(1) != 2) {
-    throw py::value_error("dictionary entries must be uint32[" + std::to_string(kDictionaryEntries) +
-                          ", 2]; pass Dictionary.entries");
+    throw py::value_error("dictionary entries must be uint32[" +
+                          std::to_string(kDictionaryEntries) + ", 2]; pass Dictionary.entries");
   }
   const auto contiguous = py::array_t<uint32_t, py::array::c_style>::ensure(entries);
   const uint32_t* words = contiguous.data();
@@ -229,7 +232,8 @@ EncoderTable::EncoderTable(const py::array& entries) {
     const uint64_t pair_count = key >> 56;
     if (pair_count == 1) continue;
     const uint64_t last_shift = 4 * (pair_count - 1);
-    const uint64_t prefix_key = ((pair_count - 1) << 56) | (key & ((uint64_t{1} << last_shift) - 1));
+    const uint64_t prefix_key = ((pair_count - 1) << 56) |
+                                (key & ((uint64_t{1} << last_shift) - 1));
     int32_t parent;
     if (pair_count == 2) {
       parent = children_[prefix_key & 15];
@@ -284,7 +288,8 @@ py::tuple EncoderTable::Encode(const py::array& codes, int num_threads) const {
   const auto input = py::array_t<uint8_t, py::array::c_style>::ensure(codes);
   const int64_t total_rows = matrices * rows;
 
-  int64_t threads = num_threads > 0 ? num_threads : std::max(1u, std::thread::hardware_concurrency());
+  int64_t threads = num_threads > 0 ? num_threads
+                                    : std::max(1u, std::thread::hardware_concurrency());
   threads = std::min(threads, std::max<int64_t>(1, total_rows * cols / kMinWeightsPerThread));
   threads = std::max<int64_t>(1, std::min(threads, total_rows));
   std::vector<RowChunk> chunks(static_cast<size_t>(threads));
@@ -302,11 +307,13 @@ py::tuple EncoderTable::Encode(const py::array& codes, int num_threads) const {
   }
   for (const RowChunk& chunk : chunks) {
     if (chunk.out_of_memory) throw std::bad_alloc();
-    if (chunk.failure.row >= 0) throw py::value_error(DescribeFailure(chunk.failure, rows, stacked));
+    if (chunk.failure.row >= 0)
+      throw py::value_error(DescribeFailure(chunk.failure, rows, stacked));
   }
 
   std::vector<int64_t> codes_per_matrix(static_cast<size_t>(matrices), 0);
-  for (int64_t r = 0; r < total_rows; ++r) codes_per_matrix[r / std::max<int64_t>(rows, 1)] += row_lengths[r];
+  for (int64_t r = 0; r < total_rows; ++r)
+    codes_per_matrix[r / std::max<int64_t>(rows, 1)] += row_lengths[r];
   const int64_t longest =
       matrices > 0 ? *std::max_element(codes_per_matrix.begin(), codes_per_matrix.end()) : 0;
   if (longest > std::numeric_limits<int32_t>::max()) {
@@ -355,8 +362,9 @@ py::tuple EncoderTable::Encode(const py::array& codes, int num_threads) const {
 void RegisterEncoder(py::module_& m) {
   py::class_<EncoderTable>(m, "EncoderTable",
                            "Trie of a dictionary for greedy longest-prefix encoding (format v1).")
-      .def(py::init<const py::array&>(), py::arg("entries"),
-           "Builds the table from canonical entries uint32[65536, 2]; raises ValueError if corrupt.")
+      .def(
+          py::init<const py::array&>(), py::arg("entries"),
+          "Builds the table from canonical entries uint32[65536, 2]; raises ValueError if corrupt.")
       .def("encode", &EncoderTable::Encode, py::arg("codes"), py::arg("num_threads") = 0,
            "Encodes uint8[rows, cols] or uint8[matrices, rows, cols] ternary codes.\n\n"
            "Returns (codes uint16, row_offsets int32); see qmoe_jax.codec.encode. "

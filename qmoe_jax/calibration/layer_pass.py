@@ -131,7 +131,8 @@ class CalibrationPass:
         prefix = f"{stack}/layers_{index}"
         keys = [
             k
-            for k in self.checkpoint.keys()
+            # A checkpoint reader is not iterable: keys() is its list of param paths.
+            for k in self.checkpoint.keys()  # noqa: SIM118
             if k.startswith(prefix + "/") and "/mlp/expert/" not in k
         ]
         return _to_compute(_subtree(self.checkpoint.read_params(keys), prefix), self.dtype)

@@ -85,7 +85,10 @@ class OutputError:
     def relative(self) -> dict:
         """``{"hessian_positions": …, "premasked_positions": …}``; None where there were no such
         tokens."""
-        ratio = lambda e, n: e / n if n > 0 else None  # noqa: E731
+
+        def ratio(e, n):
+            return e / n if n > 0 else None
+
         return {
             "hessian_positions": ratio(*self.sums[True]),
             "premasked_positions": ratio(*self.sums[False]),

@@ -33,6 +33,7 @@ only entries it writes itself: ``dense/``, ``dictionaries/<fp16>/`` and
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -427,7 +428,9 @@ class CompressedCheckpointWriter:
                 self.manifest["dense"] = None
         for fingerprint, record in list(self.manifest["dictionaries"].items()):
             path = os.path.join(self.directory, "dictionaries", record["directory"])
-            problem = damage(path, record["files"], lambda: reader.dictionary(fingerprint))
+            problem = damage(
+                path, record["files"], functools.partial(reader.dictionary, fingerprint)
+            )
             if problem:
                 found.append(
                     f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0"
@@ -436,7 +439,7 @@ class CompressedCheckpointWriter:
                 self.write_dictionary(build_dictionary(record["p0"]))
         for name, record in list(self.manifest["layers"].items()):
             path = os.path.join(self.directory, "layers", name)
-            problem = damage(path, record["files"], lambda: reader.layer(name))
+            problem = damage(path, record["files"], functools.partial(reader.layer, name))
             if problem:
                 found.append(f"layer {name}: {problem}; it is recomputed")
                 self.discard_layer(name)

@@ -8,8 +8,9 @@ at 4096-aligned offsets, so that a reader maps them (``mmap``) and hands the
 kernels views of the file instead of loading them::
 
     manifest.json               "format": "qmoe_jax.mapped"; header, dense, dictionaries, layers
-    dense/, dictionaries/<fp16>/  as in format v1 (§8.3, §8.4) layers/<layer>.experts      per
-    kernel: codes uint16[E, n], row_offsets int32[E, rows+1], minmax bf16[E, rows, 2]
+    dense/, dictionaries/<fp16>/  as in format v1 (§8.3, §8.4)
+    layers/<layer>.experts      per kernel: codes uint16[E, n], row_offsets int32[E, rows+1],
+                                minmax bf16[E, rows, 2]
     layers/<layer>.json         the index: offsets, shapes, codewords and SHA-256 of each expert
 
 Every expert carries its own SHA-256 (its codewords in use, row offsets and

@@ -178,7 +178,8 @@ class _Archive:
                     f"{path} was saved on a {order}-endian machine; only little-endian PyTorch "
                     "files are read"
                 )
-        self.file = open(path, "rb")
+        # Open for the archive's life: storages are read from it (pread, mmap) on demand.
+        self.file = open(path, "rb")  # noqa: SIM115
         self.size = os.fstat(self.file.fileno()).st_size
         self._map: mmap.mmap | None = (
             None  # mapped on first use: reading with read_into maps nothing

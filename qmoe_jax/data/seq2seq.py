@@ -35,31 +35,31 @@ def read_jsonl(path: str) -> list[Seq2SeqExample]:
     """
     examples = []
     try:
-        handle = open(path, encoding="utf-8")
+        with open(path, encoding="utf-8") as handle:
+            lines = handle.readlines()
     except OSError as error:
         raise ValueError(f"cannot read task file {path}: {error.strerror or error}") from error
-    with handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{where}: not valid JSON ({error.msg}); each line must be one "
-                    '{"inputs": "...", "targets": "..."} object'
-                ) from error
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f'{where}: expected a JSON object with "inputs" and "targets", '
-                    f"got {type(record).__name__}"
-                )
-            for key in ("inputs", "targets"):
-                if not isinstance(record.get(key), str):
-                    found = "missing" if key not in record else f"a {type(record[key]).__name__}"
-                    raise ValueError(f'{where}: "{key}" must be a string, it is {found}')
-            examples.append(Seq2SeqExample(record["inputs"], record["targets"], where))
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{where}: not valid JSON ({error.msg}); each line must be one "
+                '{"inputs": "...", "targets": "..."} object'
+            ) from error
+        if not isinstance(record, dict):
+            raise ValueError(
+                f'{where}: expected a JSON object with "inputs" and "targets", '
+                f"got {type(record).__name__}"
+            )
+        for key in ("inputs", "targets"):
+            if not isinstance(record.get(key), str):
+                found = "missing" if key not in record else f"a {type(record[key]).__name__}"
+                raise ValueError(f'{where}: "{key}" must be a string, it is {found}')
+        examples.append(Seq2SeqExample(record["inputs"], record["targets"], where))
     if not examples:
         raise ValueError(f"task file {path} holds no examples")
     return examples

@@ -177,7 +177,10 @@ def mean_cross_entropies(
     """
     if not examples:
         raise ValueError("no validation examples to evaluate")
-    round_up = lambda n: -(-n // 8) * 8  # noqa: E731
+
+    def round_up(n):
+        return -(-n // 8) * 8
+
     encoder_length = encoder_length or round_up(max(i.size for i, _ in examples))
     decoder_length = decoder_length or round_up(max(t.size for _, t in examples))
     batches = padded_batches(examples, batch_size, encoder_length, decoder_length)

@@ -185,7 +185,10 @@ def _write_atomic(path: str, text: str) -> None:
 
 
 def _append_line(path: str, record: dict) -> None:
-    previous = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    previous = ""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as f:
+            previous = f.read()
     _write_atomic(path, previous + json.dumps(record) + "\n")
 
 

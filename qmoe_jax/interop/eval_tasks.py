@@ -1,5 +1,5 @@
-"""Evaluation tasks by name, as seqio registers them for T5X: span corruption, seq2seq JSON lines,
-  mixtures.
+"""Evaluation tasks by name, as seqio registers them for T5X: span corruption, seq2seq JSON
+lines, mixtures.
 
 - ``SpanCorruptionTask``: T5's span corruption (noise density 0.15, mean span
   3, seed 0) on validation text; scored per example (target log-likelihood)

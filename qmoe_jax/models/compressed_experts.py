@@ -6,9 +6,8 @@ ternary ``CompressedExperts`` stacks: ``expert/wi`` (or ``wi_0``/``wi_1``) and
 ``[E, C, in] → [E, C, out]`` is one ``ops.matmul`` call per layer, decoding every
 codeword once for all tokens of its expert. With the routing's ``counts`` the
 kernels compute only the slots in use and never decode an expert that
-received no token, so a decoding step costs the routed experts, not all E. The weights are frozen:
-  gradients
-flow to the inputs only (``ops``' custom VJP), which is what fine-tuning the
+received no token, so a decoding step costs the routed experts, not all E. The weights are
+frozen: gradients flow to the inputs only (``ops``' custom VJP), which is what fine-tuning the
 dense layers of a compressed model needs.
 
 Optional expert LoRA (``models/lora.py``): when the tree holds adapters at

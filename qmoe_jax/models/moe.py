@@ -77,7 +77,7 @@ def expert_capacity(
 ) -> int:
     """Slots per expert and group: ``max(round(CF * S / E), min_capacity)`` (Python rounding, as
     T5X)."""
-    return max(int(round(capacity_factor * tokens_per_group / num_experts)), min_capacity)
+    return max(round(capacity_factor * tokens_per_group / num_experts), min_capacity)
 
 
 class Routing(NamedTuple):

@@ -1,6 +1,5 @@
-"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering a
-  group,
-and the per-expert widths its Hessians and forward run on."""
+"""Token bookkeeping of a sparse layer: sorting tokens by expert, the Hessian token cap, gathering
+a group, and the per-expert widths its Hessians and forward run on."""
 
 import numpy as np
 import pytest

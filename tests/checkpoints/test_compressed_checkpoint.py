@@ -1,5 +1,6 @@
 import json
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -139,5 +140,7 @@ def test_not_a_checkpoint_and_wrong_version(tmp_path):
 
 def test_missing_layer_is_named(tmp_path):
     CompressedCheckpointWriter(str(tmp_path), HEADER)
-    with pytest.raises(CompressedCheckpointError, match="layer encoder.layers_5.mlp is not in"):
+    with pytest.raises(
+        CompressedCheckpointError, match=re.escape("layer encoder.layers_5.mlp is not in")
+    ):
         CompressedCheckpoint(str(tmp_path)).layer("encoder.layers_5.mlp")

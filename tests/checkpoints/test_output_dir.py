@@ -50,7 +50,7 @@ def test_unrelated_directory_is_refused_naming_what_it_holds(tmp_path):
 def test_another_tools_manifest_is_refused(tmp_path):
     (tmp_path / "manifest.json").write_text(json.dumps({"format_version": 1, "files": []}))
     with pytest.raises(
-        OutputDirectoryError, match='holds a manifest.json that is not .* "qmoe_jax.compressed"'
+        OutputDirectoryError, match=r'holds a manifest\.json that is not .* "qmoe_jax\.compressed"'
     ):
         check_writable(str(tmp_path), COMPRESSED_OUTPUT)
 

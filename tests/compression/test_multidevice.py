@@ -1,5 +1,5 @@
 """Compression sharded over several host devices: it finishes, and its codes are the one-device
-  codes.
+codes.
 
 Each multi-device run is a child process (the device count is fixed when jax starts) under a
 watchdog: batched LAPACK Cholesky kernels deadlock XLA's intra-op thread pool there (issue 18),

@@ -1,6 +1,6 @@
 """The compressor as a hostile user meets it: foreign output directories, changed sources and
-  settings,
-non-finite weights, damaged output, bad flags, interrupts and a second writer (docs/recovery.md)."""
+settings, non-finite weights, damaged output, bad flags, interrupts and a second writer
+(docs/recovery.md)."""
 
 import dataclasses
 import json

@@ -307,7 +307,7 @@ def write_qmoe_directory(
                     packed[name] = linear
                     sizes[name] = int(linear["w_comp"].size)
                     layer.update({f"{name}.{part}": value for part, value in linear.items()})
-            save(layer, os.path.join(directory, "exp%02d.pt" % number))
+            save(layer, os.path.join(directory, f"exp{number:02d}.pt"))
             number += 1
     save(sizes, os.path.join(directory, "sizes.pt"))
     return packed

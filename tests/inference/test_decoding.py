@@ -112,7 +112,10 @@ def test_sampling_with_top_k_1_is_greedy():
 
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
     logits = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
-    kept = lambda f: np.isfinite(np.asarray(f))[0].tolist()  # noqa: E731
+
+    def kept(f):
+        return np.isfinite(np.asarray(f))[0].tolist()
+
     assert kept(filter_logits(logits, 1.0, 2, 1.0)) == [True, True, False, False, False]
     assert kept(filter_logits(logits, 1.0, 0, 0.7)) == [True, True, False, False, False]
     assert kept(filter_logits(logits, 1.0, 0, 0.71)) == [True, True, True, False, False]

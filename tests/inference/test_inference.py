@@ -116,10 +116,11 @@ def test_open_model_names_what_is_wrong(compressed_tiny, tmp_path):
         open_model(str(tmp_path))
     unfinished = tmp_path / "unfinished"
     unfinished.mkdir()
-    manifest = json.loads(open(os.path.join(compressed_tiny[1], "manifest.json")).read())
+    with open(os.path.join(compressed_tiny[1], "manifest.json")) as f:
+        manifest = json.load(f)
     manifest["complete"] = False
     (unfinished / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CompressedCheckpointError, match="unfinished.*re-run the same"):
+    with pytest.raises(CompressedCheckpointError, match=r"unfinished.*re-run the same"):
         open_model(str(unfinished))
 
 

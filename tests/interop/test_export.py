@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 from helpers.child_process import child_env
+from helpers.json_lines import read_json_lines
 
 from qmoe_jax import evaluate as evaluate_cli
 from qmoe_jax import export as export_cli
@@ -92,6 +93,7 @@ def test_export_cli_follows_the_output_rules(compressed_tiny, tmp_path, capsys):
 
 def _t5x_available() -> bool:
     try:
+        # Imported only to learn whether they import (F401).
         import flaxformer  # noqa: F401
         import t5x  # noqa: F401
     except ImportError:
@@ -137,8 +139,8 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "t5x_eval" / "inference_eval"
-    metrics = [json.loads(line) for line in open(out / "qmoe_span_corruption-metrics.jsonl")]
-    records = [json.loads(line) for line in open(out / "qmoe_span_corruption-006000.jsonl")]
+    metrics = read_json_lines(out / "qmoe_span_corruption-metrics.jsonl")
+    records = read_json_lines(out / "qmoe_span_corruption-006000.jsonl")
     assert metrics[0]["step"] == 6000 and len(records) == examples
     t5x_scores = np.array([r["score"] for r in records])
 
@@ -186,7 +188,7 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
         command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=child_env()
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    theirs = [json.loads(line) for line in open(out / "qmoe_jsonl_seq2seq-006000.jsonl")]
+    theirs = read_json_lines(out / "qmoe_jsonl_seq2seq-006000.jsonl")
     evaluate_cli.evaluate(
         [
             "--gin_file=runs/eval.gin",
@@ -198,14 +200,14 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
             lengths,
         ]
     )
-    mine = [
-        json.loads(line)
-        for line in open(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")
-    ]
+    mine = read_json_lines(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")
     assert [t["input"]["targets"] for t in theirs] == [m["input"]["targets"] for m in mine]
     np.testing.assert_allclose([t["score"] for t in theirs], [m["score"] for m in mine], rtol=1e-4)
     # seqio's decoder puts spaces around sentinels, qmoe_jax's does not.
-    unspaced = lambda text: re.sub(r"\s*(<extra_id_\d+>)\s*", r"\1", text)  # noqa: E731
+
+    def unspaced(text):
+        return re.sub(r"\s*(<extra_id_\d+>)\s*", r"\1", text)
+
     assert [unspaced(t["prediction"]) for t in theirs] == [unspaced(m["prediction"]) for m in mine]
     print(
         f"seq2seq, t5x.eval: {[round(t['score'], 4) for t in theirs]}; qmoe_jax compressed: "

@@ -2,6 +2,7 @@
 layout, errors."""
 
 import dataclasses
+import itertools
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ import gin
 import numpy as np
 import pytest
 from helpers.child_process import TESTS_DIR, child_env
+from helpers.json_lines import read_json_lines
 from helpers.switch_fixtures import TINY, write_c4_shard, write_calibration_text
 from helpers.text import synthetic_sentences
 
@@ -61,7 +63,7 @@ def setup(compressed_tiny, tmp_path_factory):
     sentences = synthetic_sentences(10, seed=3)
     jsonl.write_text(
         "".join(
-            json.dumps({"inputs": a, "targets": b}) + "\n" for a, b in zip(sentences, sentences[1:])
+            json.dumps({"inputs": a, "targets": b}) + "\n" for a, b in itertools.pairwise(sentences)
         )
     )
     return directory, str(root), text, str(jsonl), tokenizer
@@ -87,11 +89,6 @@ def run(setup, output_dir, *extra, task="text_span_corruption"):
     evaluate_cli.evaluate(argv)
 
 
-def read_lines(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f]
-
-
 @pytest.mark.slow
 def test_span_corruption_writes_t5x_layout_and_dense_matches_compressed(setup, tmp_path):
     directory, _, text, _, tokenizer = setup
@@ -104,11 +101,11 @@ def test_span_corruption_writes_t5x_layout_and_dense_matches_compressed(setup, t
         and "EXPERTS = 'dense'" in config
         and "qmoe_jax.SwitchConfig" in config
     )
-    metrics = read_lines(out / "inference_eval" / "text_span_corruption-metrics.jsonl")
+    metrics = read_json_lines(out / "inference_eval" / "text_span_corruption-metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 1]  # the source checkpoint_1, one line per run
     compressed, dense = (m["loss"] for m in metrics)
     assert abs(compressed - dense) < 1e-4
-    examples = read_lines(out / "inference_eval" / "text_span_corruption-000001.jsonl")
+    examples = read_json_lines(out / "inference_eval" / "text_span_corruption-000001.jsonl")
     assert len(examples) == metrics[0]["examples"] == 20
     assert set(examples[0]) == {"input", "target", "score"} and set(examples[0]["input"]) == {
         "inputs",
@@ -133,7 +130,7 @@ def test_seq2seq_task_scores_and_predicts(setup, tmp_path):
     directory, _, _, jsonl, tokenizer = setup
     out = tmp_path / "eval"
     run(setup, out, "--gin.TASK_FEATURE_LENGTHS=None", task="jsonl_seq2seq")
-    (metrics,) = read_lines(out / "inference_eval" / "jsonl_seq2seq-metrics.jsonl")
+    (metrics,) = read_json_lines(out / "inference_eval" / "jsonl_seq2seq-metrics.jsonl")
     assert set(metrics) == {
         "step",
         "exact_match",
@@ -143,8 +140,8 @@ def test_seq2seq_task_scores_and_predicts(setup, tmp_path):
         "mean_log_likelihood",
     }
     assert metrics["examples"] == 9 and 0 <= metrics["exact_match"] <= 100
-    examples = read_lines(out / "inference_eval" / "jsonl_seq2seq-000001.jsonl")
-    pairs = [json.loads(line) for line in open(jsonl)]
+    examples = read_json_lines(out / "inference_eval" / "jsonl_seq2seq-000001.jsonl")
+    pairs = read_json_lines(jsonl)
     assert [e["input"]["inputs_pretokenized"] for e in examples] == [p["inputs"] for p in pairs]
     assert [e["target"] for e in examples] == [p["targets"] for p in pairs]
     assert all(e["score"] < 0 and e["output"] == e["prediction"] for e in examples)
@@ -169,7 +166,6 @@ def test_seq2seq_task_scores_and_predicts(setup, tmp_path):
 
 @pytest.mark.slow
 def test_mixture_from_a_user_gin_file_and_flag_precedence(setup, tmp_path):
-    _, root, _, _, _ = setup
     (tmp_path / "mine.gin").write_text(
         "BATCH_SIZE = 2\n"
         "qmoe_jax.evaluate.extra_tasks = [@both/qmoe_jax.Mixture()]\n"
@@ -202,7 +198,7 @@ def test_c4_task_reads_the_validation_shards_and_names_its_macro(setup, tmp_path
         "--gin_bindings=c4_span_corruption/qmoe_jax.SpanCorruptionTask.num_examples = 4",
         task="c4_span_corruption",
     )
-    (metrics,) = read_lines(out / "inference_eval" / "c4_span_corruption-metrics.jsonl")
+    (metrics,) = read_json_lines(out / "inference_eval" / "c4_span_corruption-metrics.jsonl")
     assert metrics["examples"] == 4 and metrics["loss"] > 0
     with pytest.raises(ValueError, match="C4_DIR"):
         run(setup, tmp_path / "other", task="c4_span_corruption")
@@ -354,14 +350,14 @@ def test_readme_command_on_the_main_job_output(tmp_path):
         )
         assert result.returncode == 0, result.stderr[-3000:]
     assert "MIXTURE_OR_TASK_NAME = 'bundled_span_corruption'" in (out / "config.gin").read_text()
-    compressed_line, dense_line = read_lines(
+    compressed_line, dense_line = read_json_lines(
         out / "inference_eval" / "bundled_span_corruption-metrics.jsonl"
     )
     assert (
         compressed_line["step"] == 6000 and abs(compressed_line["loss"] - dense_line["loss"]) < 1e-4
     )
     assert (
-        len(read_lines(out / "inference_eval" / "bundled_span_corruption-006000.jsonl"))
+        len(read_json_lines(out / "inference_eval" / "bundled_span_corruption-006000.jsonl"))
         == dense_line["examples"]
     )
     plain = subprocess.run(

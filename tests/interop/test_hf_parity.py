@@ -12,13 +12,13 @@ import jax
 import numpy as np
 import pytest
 
+from qmoe_jax.checkpoints import hf_names
+from qmoe_jax.models import MoeLayer, SwitchConfig, SwitchTransformer
+
 torch = pytest.importorskip("torch", reason="parity tests need torch (pip install torch==2.13.0)")
 transformers = pytest.importorskip(
     "transformers", reason="parity tests need transformers (pip install transformers protobuf)"
 )
-
-from qmoe_jax.checkpoints import hf_names  # noqa: E402
-from qmoe_jax.models import MoeLayer, SwitchConfig, SwitchTransformer  # noqa: E402
 
 pytestmark = pytest.mark.parity
 

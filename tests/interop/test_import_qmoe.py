@@ -5,6 +5,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -266,7 +267,7 @@ def test_changed_source_is_refused_on_resume(tmp_path):
     out = str(tmp_path / "out")
     qmoe_import.import_qmoe(directory, out, log=quiet, progress=False)
     other, _, _ = torch_free_directory(tmp_path / "b", seed=1)
-    with pytest.raises(qmoe_import.ImportRefusedError, match="noexp.pt changed"):
+    with pytest.raises(qmoe_import.ImportRefusedError, match=re.escape("noexp.pt changed")):
         qmoe_import.import_qmoe(other, out, log=quiet, progress=False)
 
 

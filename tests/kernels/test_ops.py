@@ -233,7 +233,7 @@ def test_corrupt_matrices_raise_naming_the_row(dictionary):
         ops.matvec(compressed_data.with_arrays(w, row_offsets=offsets), jnp.zeros(21), dictionary)
     offsets = np.asarray(w.row_offsets).copy()
     offsets[-1] += 1000
-    with pytest.raises(Exception, match="past the .* codewords"):
+    with pytest.raises(Exception, match=r"past the .* codewords"):
         ops.dequantize(compressed_data.with_arrays(w, row_offsets=offsets), dictionary)
     narrow, _ = _matrix(13, 19)
     wide = CompressedMatrix(narrow.codes, narrow.row_offsets, narrow.minmax, 21)

@@ -84,7 +84,7 @@ def test_named_configs_follow_design():
 
 
 def test_get_config_unknown_name_lists_known():
-    with pytest.raises(KeyError, match="switch-base-8.*switch-c-2048"):
+    with pytest.raises(KeyError, match=r"switch-base-8.*switch-c-2048"):
         get_config("switch-base-7")
 
 

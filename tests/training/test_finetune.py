@@ -5,6 +5,7 @@ devices."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.child_process import popen_python, run_python
+from helpers.json_lines import read_json_lines
 from helpers.switch_fixtures import TINY, write_tiny_compressed
 from helpers.text import synthetic_sentences
 
@@ -173,7 +175,7 @@ def test_finetune_with_expert_lora_writes_a_compressed_checkpoint_the_readers_lo
     summary = finetune(options, log=lambda _: None, progress=False)
     model = str(tmp_path / "run" / "model")
     assert summary["model"] == model
-    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    records = read_json_lines(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 2, 4]
     assert {"validation_loss", "validation_token_accuracy", "validation_exact_match"} <= records[
         -1
@@ -261,7 +263,9 @@ def test_resume_with_other_settings_is_refused_and_a_complete_run_is_not_redone(
     lines = []
     assert finetune(options, log=lines.append, progress=False) == json.loads(json.dumps(first))
     assert "already complete" in lines[-1]
-    with pytest.raises(ResumeMismatchError, match="learning_rate: 0.003 before, 0.001 now"):
+    with pytest.raises(
+        ResumeMismatchError, match=re.escape("learning_rate: 0.003 before, 0.001 now")
+    ):
         finetune(
             dataclasses.replace(options, learning_rate=1e-3), log=lambda _: None, progress=False
         )
@@ -301,7 +305,7 @@ def test_kill_9_then_the_same_command_resumes_and_ends_where_an_uninterrupted_ru
     resumed = run_python(args, timeout=WATCHDOG_SECONDS, JAX_PLATFORMS="cpu")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming at step" in resumed.stderr
-    steps = [json.loads(line)["step"] for line in open(tmp_path / "killed" / "metrics.jsonl")]
+    steps = [record["step"] for record in read_json_lines(tmp_path / "killed" / "metrics.jsonl")]
     assert steps == [0, 4, 8]
 
     straight = run_python(
@@ -382,7 +386,7 @@ def test_data_parallel_on_four_devices_follows_the_one_device_loss_curve(tiny, t
         except subprocess.TimeoutExpired:
             pytest.fail(f"{devices}-device fine-tuning still running after {WATCHDOG_SECONDS} s")
         assert result.returncode == 0, result.stderr[-3000:]
-        records = [json.loads(line) for line in open(tmp_path / f"run{devices}" / "metrics.jsonl")]
+        records = read_json_lines(tmp_path / f"run{devices}" / "metrics.jsonl")
         curves[devices] = [(r["step"], r.get("train_loss"), r["validation_loss"]) for r in records]
     assert [s for s, *_ in curves[4]] == [0, 1, 2, 3, 4]
     for (_, train1, valid1), (_, train4, valid4) in zip(curves[1], curves[4]):
