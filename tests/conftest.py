@@ -25,10 +25,10 @@ def dictionary():
     return build_dictionary(0.885)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_setup(tmp_path_factory, tiny_tokenizer):
     """(checkpoint, calibration text, tokenizer) of the tiny Switch model of
-    ``switch_fixtures.TINY``."""
+    ``switch_fixtures.TINY``. One per session: tests read it and write copies."""
     from helpers.switch_fixtures import write_calibration_text, write_tiny_checkpoint
 
     root = tmp_path_factory.mktemp("tiny")
@@ -37,26 +37,18 @@ def tiny_setup(tmp_path_factory, tiny_tokenizer):
     return checkpoint, text, tiny_tokenizer.model_path
 
 
-@pytest.fixture(scope="module")
-def compressed_tiny(tmp_path_factory, tiny_tokenizer):
+@pytest.fixture(scope="session")
+def compressed_tiny(tmp_path_factory, tiny_setup, tiny_tokenizer):
     """(T5X checkpoint, compressed directory, tokenizer) of the tiny Switch model, compressed with
-    GPTQ."""
-    from helpers.switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
+    GPTQ by ``compression_runs.options(tiny_setup, ...)``, the settings the compression tests
+    resume with. One per session: tests read it and write copies."""
+    from helpers.compression_runs import options
+    from helpers.switch_fixtures import TINY
 
-    from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+    from qmoe_jax.compression.job import compress_checkpoint
 
-    root = tmp_path_factory.mktemp("inference")
-    checkpoint = write_tiny_checkpoint(root / "t5x")
-    text = write_calibration_text(root / "calibration.txt")
-    options = CompressionOptions(
-        checkpoint=checkpoint,
-        tokenizer=tiny_tokenizer.model_path,
-        calibration=f"text:{text}",
-        num_samples=24,
-        inputs_length=32,
-        batch_size=8,
-        group_size=2,
-        output_dir=str(root / "compressed"),
+    directory = tmp_path_factory.mktemp("compressed") / "tiny"
+    compress_checkpoint(
+        options(tiny_setup, directory), log=lambda _: None, progress=False, config=TINY
     )
-    compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
-    return checkpoint, str(root / "compressed"), tiny_tokenizer
+    return tiny_setup[0], str(directory), tiny_tokenizer

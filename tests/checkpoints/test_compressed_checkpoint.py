@@ -11,7 +11,6 @@ from qmoe_jax.checkpoints.format_v1 import (
     CompressedCheckpointError,
     CompressedCheckpointWriter,
 )
-from qmoe_jax.codec import build_dictionary
 
 HEADER = {
     "model": {"name": "tiny"},
@@ -47,7 +46,7 @@ def assert_tree_equal(a, b):
 
 
 @pytest.mark.slow
-def test_round_trip(tmp_path):
+def test_round_trip(tmp_path, dictionary):
     writer = CompressedCheckpointWriter(str(tmp_path), HEADER)
     dense = {
         "encoder": {
@@ -55,7 +54,7 @@ def test_round_trip(tmp_path):
         }
     }
     writer.write_dense(dense)
-    fingerprint = writer.write_dictionary(build_dictionary())
+    fingerprint = writer.write_dictionary(dictionary)
     writer.write_layer("encoder.layers_1.mlp", layer_arrays(0), {"dictionary": fingerprint})
     writer.finalize({"done": True})
     checkpoint = CompressedCheckpoint(str(tmp_path))
@@ -63,7 +62,7 @@ def test_round_trip(tmp_path):
     assert_tree_equal(checkpoint.dense_params(), dense)
     arrays, stats = checkpoint.layer("encoder.layers_1.mlp")
     assert_tree_equal(arrays, layer_arrays(0))
-    assert checkpoint.dictionary(stats["dictionary"]).fingerprint == build_dictionary().fingerprint
+    assert checkpoint.dictionary(stats["dictionary"]).fingerprint == dictionary.fingerprint
 
 
 def test_relative_directory(tmp_path, monkeypatch):

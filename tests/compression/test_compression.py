@@ -1,6 +1,7 @@
 import dataclasses
 import json
 import os
+import pathlib
 import signal
 import time
 
@@ -61,10 +62,13 @@ def test_compress_tiny_end_to_end(tiny_setup, tmp_path):
     )
 
 
-def test_report_output_error_shows_gptq_fitting_its_hessian_positions(tiny_setup, tmp_path):
+def test_report_output_error_shows_gptq_fitting_its_hessian_positions(
+    tiny_setup, compressed_tiny, tmp_path
+):
     quiet = dict(log=lambda _: None, progress=False, config=TINY)
     rtn = compress_checkpoint(options(tiny_setup, tmp_path / "rtn", method="rtn"), **quiet)
-    gptq = compress_checkpoint(options(tiny_setup, tmp_path / "gptq"), **quiet)
+    # compressed_tiny is the GPTQ run of the same settings
+    gptq = json.loads((pathlib.Path(compressed_tiny[1]) / "report.json").read_text())
     for rtn_layer, gptq_layer in zip(rtn["layers"], gptq["layers"]):
         fitted, rounded = gptq_layer["output_error"], rtn_layer["output_error"]
         assert 0 < fitted["hessian_positions"] < 0.7 * rounded["hessian_positions"], (
@@ -201,11 +205,11 @@ def test_true_sequential_and_act_order_change_only_what_they_should(tiny_setup, 
     )
 
 
-def test_premask_changes_only_the_decoder_hessians(tiny_setup, tmp_path):
+def test_premask_changes_only_the_decoder_hessians(tiny_setup, compressed_tiny, tmp_path):
     quiet = dict(log=lambda _: None, progress=False, config=TINY)
-    compress_checkpoint(options(tiny_setup, tmp_path / "encoder"), **quiet)
     compress_checkpoint(options(tiny_setup, tmp_path / "qmoe", premask="encoder_decoder"), **quiet)
-    default, qmoe = all_arrays(str(tmp_path / "encoder")), all_arrays(str(tmp_path / "qmoe"))
+    # compressed_tiny is the run with the default premask, "encoder"
+    default, qmoe = all_arrays(compressed_tiny[1]), all_arrays(str(tmp_path / "qmoe"))
     for kernel in (
         "wi",
         "wo",

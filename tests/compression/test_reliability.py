@@ -5,6 +5,7 @@ settings, non-finite weights, damaged output, bad flags, interrupts and a second
 import dataclasses
 import json
 import os
+import pathlib
 import re
 import select
 import shutil
@@ -37,11 +38,10 @@ EXPERT_WI = "encoder/layers_1/mlp/expert/wi/kernel"
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_setup, tmp_path_factory):
-    """An uninterrupted run of the tiny model: what every repaired run must equal."""
-    directory = tmp_path_factory.mktemp("reference") / "out"
-    compress_checkpoint(options(tiny_setup, directory), **QUIET)
-    return directory
+def reference(compressed_tiny):
+    """An uninterrupted run of the tiny model with ``options(tiny_setup, ...)``: what every
+    repaired run must equal."""
+    return pathlib.Path(compressed_tiny[1])
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 from qmoe_jax.checkpoints import hf_names
-from qmoe_jax.codec import build_dictionary
+from qmoe_jax.codec import DEFAULT_P0, build_dictionary
 from qmoe_jax.codec.dictionary import entry_weights
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -176,7 +176,9 @@ def add_edge_rows(q: np.ndarray) -> np.ndarray:
 
 
 def _dictionary_index() -> dict[tuple[int, ...], int]:
-    weights, pair_count = entry_weights(build_dictionary().entries)
+    # p0 passed as the package and the ``dictionary`` fixture pass it: build_dictionary's cache
+    # keys a call without arguments apart from one with p0, and a build takes seconds.
+    weights, pair_count = entry_weights(build_dictionary(DEFAULT_P0).entries)
     index = {}
     for code in range(weights.shape[0]):
         w = weights[code, : 2 * pair_count[code]]

@@ -67,24 +67,3 @@ def write_c4_shard(path, texts) -> None:
                 )
                 + "\n"
             )
-
-
-def write_tiny_compressed(root, tokenizer_path: str) -> tuple[str, str]:
-    """(T5X checkpoint, compressed directory) of the tiny model under ``root``, compressed on
-    synthetic text."""
-    from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
-
-    checkpoint = write_tiny_checkpoint(root / "t5x")
-    text = write_calibration_text(root / "calibration.txt")
-    options = CompressionOptions(
-        checkpoint=checkpoint,
-        tokenizer=tokenizer_path,
-        calibration=f"text:{text}",
-        num_samples=24,
-        inputs_length=32,
-        batch_size=8,
-        group_size=2,
-        output_dir=str(root / "compressed"),
-    )
-    compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
-    return checkpoint, str(root / "compressed")

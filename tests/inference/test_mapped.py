@@ -9,37 +9,23 @@ import shutil
 import numpy as np
 import pytest
 from helpers.child_process import run_python
-from helpers.switch_fixtures import TINY, write_calibration_text, write_tiny_checkpoint
+from helpers.switch_fixtures import TINY
 
 from qmoe_jax import convert as convert_cli
 from qmoe_jax import generate as generate_cli
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint, CompressedCheckpointError
 from qmoe_jax.checkpoints.mapped_layout import MappedCheckpoint, MappedExpertError
 from qmoe_jax.checkpoints.to_mapped import convert_to_mapped
-from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
 from qmoe_jax.inference import open_model
 from qmoe_jax.inference.strategies import DecodingConfig, generate
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory, tiny_tokenizer):
+def checkpoints(tmp_path_factory, compressed_tiny):
     """(compressed directory, mapped directory) of the tiny model."""
-    root = tmp_path_factory.mktemp("mapped")
-    options = CompressionOptions(
-        checkpoint=write_tiny_checkpoint(root / "t5x"),
-        tokenizer=tiny_tokenizer.model_path,
-        calibration=f"text:{write_calibration_text(root / 'calibration.txt')}",
-        num_samples=24,
-        inputs_length=32,
-        batch_size=8,
-        group_size=2,
-        output_dir=str(root / "compressed"),
-    )
-    compress_checkpoint(options, log=lambda _: None, progress=False, config=TINY)
-    convert_cli.main(
-        ["--checkpoint", str(root / "compressed"), "--output_dir", str(root / "mapped")]
-    )
-    return str(root / "compressed"), str(root / "mapped")
+    mapped = tmp_path_factory.mktemp("mapped") / "mapped"
+    convert_cli.main(["--checkpoint", compressed_tiny[1], "--output_dir", str(mapped)])
+    return compressed_tiny[1], str(mapped)
 
 
 def prompts(count, seed=0):

@@ -22,10 +22,20 @@ def _assert_close(actual, expected, dtype):
     )
 
 
+# Each shape compiles the jnp twin; test_each_instruction_set checks the kernels on more token
+# counts against the dense product, so the fast run keeps four shapes here.
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "rows,cols,tokens",
-    [(1, 1, 1), (5, 2, 3), (13, 21, 1), (13, 21, 2), (37, 101, 17), (64, 64, 40), (3, 300, 65)],
+    [
+        (1, 1, 1),
+        pytest.param(5, 2, 3, marks=pytest.mark.slow),
+        pytest.param(13, 21, 1, marks=pytest.mark.slow),
+        (13, 21, 2),
+        (37, 101, 17),
+        pytest.param(64, 64, 40, marks=pytest.mark.slow),
+        (3, 300, 65),
+    ],
 )
 def test_matmul_matches_twin_and_dense(dictionary, dtype, rows, cols, tokens):
     w, dense = _matrix(rows, cols)
@@ -181,10 +191,11 @@ def test_words_form_lists_each_entrys_nonzero_weights():
 
 
 @pytest.mark.parametrize("isa", ops.cpu_isas())
-@pytest.mark.parametrize("p0", [0.8, 0.6])
+@pytest.mark.parametrize("p0", [pytest.param(0.8, marks=pytest.mark.slow), 0.6])
 def test_each_instruction_set_with_wider_dictionary_entries(monkeypatch, isa, p0):
     """Dictionaries for smaller p0: entries with 4 nonzero weights (0.8) and entries that overflow
-    the compact form and the slots (0.6), which kernels read from the masks."""
+    the compact form and the slots (0.6, which has entries of both kinds; each p0 is a dictionary
+    build of seconds), which kernels read from the masks."""
     from qmoe_jax.codec import build_dictionary
 
     monkeypatch.setenv("QMOE_CPU_ISA", isa)

@@ -88,9 +88,9 @@ def test_hessian_factor_is_the_inverse_of_gptqs_hinv_and_fails_as_nans():
 @pytest.mark.parametrize(
     "config",
     [
-        GPTQConfig(block_size=32, sub_block_size=32),
-        GPTQConfig(sub_block_size=1),
-        GPTQConfig(block_size=64, sub_block_size=8),
+        pytest.param(GPTQConfig(block_size=32, sub_block_size=32), marks=pytest.mark.slow),
+        pytest.param(GPTQConfig(sub_block_size=1), marks=pytest.mark.slow),
+        GPTQConfig(block_size=64, sub_block_size=8),  # changes both levels
     ],
     ids=["b32", "b128-flat", "b64-s8"],
 )
@@ -111,9 +111,11 @@ def test_block_sizes_change_only_float_rounding(config):
 @pytest.mark.parametrize(
     "config",
     [
-        pytest.param(GPTQConfig(block_size=64), marks=pytest.mark.slow),
+        # the problem and config of test_quant_gptq_native's and test_quant_linalg_native's GPTQ
+        # runs: the fast run compiles the unrolled program once for all three
+        GPTQConfig(block_size=64),
         pytest.param(GPTQConfig(block_size=32, sub_block_size=32), marks=pytest.mark.slow),
-        GPTQConfig(block_size=64, act_order=True),
+        pytest.param(GPTQConfig(block_size=64, act_order=True), marks=pytest.mark.slow),
     ],
     ids=["b64-s16", "b32-flat", "act-order"],
 )
@@ -137,7 +139,7 @@ def test_left_looking_unrolled_sweep_differs_from_the_fori_loop_by_rounding_only
     )
     np.testing.assert_array_equal(np.asarray(batched.codes[1]), np.asarray(unrolled.codes))
     # the left-looking product is in the program: the third block reads the two blocks before it
-    lowered = jax.jit(lambda w, h: gptq(w, h, grid, config)).lower(weights, hessian).as_text()
+    lowered = gptq_jit.lower(weights, hessian, grid=grid, config=config).as_text()
     size = config.block_size
     assert (
         f"(tensor<48x{2 * size}xf32>, tensor<{2 * size}x{size}xf32>) -> tensor<48x{size}xf32>"
@@ -192,7 +194,7 @@ def test_act_order_quantizes_by_descending_diagonal_and_restores_column_order():
     ) < 0.6 * output_error(weights, inputs, rtn_codes, rtn_params, TERNARY)
 
 
-@pytest.mark.parametrize("cols", [1, 77, 129])
+@pytest.mark.parametrize("cols", [1, pytest.param(77, marks=pytest.mark.slow), 129])
 def test_any_number_of_columns(cols):
     weights, inputs = correlated_problem(8, cols=cols, rank=min(cols, 16))
     hessian = inputs.T @ inputs
@@ -266,7 +268,7 @@ def test_bad_inputs_and_options_raise_clear_errors():
     [
         GPTQConfig(),
         pytest.param(GPTQConfig(native_block=False), marks=pytest.mark.slow),
-        GPTQConfig(unroll_blocks=False),
+        pytest.param(GPTQConfig(unroll_blocks=False), marks=pytest.mark.slow),
     ],
     ids=["default", "jnp_levels", "fori_loop"],
 )

@@ -104,6 +104,8 @@ def test_batches_are_independent_items():
     "unroll", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["unrolled", "fori_loop"]
 )
 def test_gptq_with_the_native_block_matches_the_jnp_sweep(grid, unroll):
+    # the problem shape and config of test_quant_gptq's and test_quant_linalg_native's GPTQ runs:
+    # the fast run compiles ``ours`` once for all three
     weights, inputs = correlated_problem(11, rows=48, cols=300, rank=40)
     hessian = inputs.T @ inputs
     config = GPTQConfig(block_size=64, unroll_blocks=unroll)

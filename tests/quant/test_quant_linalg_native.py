@@ -1,6 +1,7 @@
 """The Cholesky's native kernel for its diagonal blocks (xla_ffi/cpu_cholesky.h) against its jnp
 twin, quant/linalg.py's ``_base_factor``."""
 
+import dataclasses
 import importlib
 
 import jax
@@ -100,11 +101,16 @@ def test_the_whole_cholesky_with_the_kernel_matches_the_jnp_one():
 
 
 def test_gptq_with_the_kernel_matches_gptq_without_it():
-    weights, inputs = correlated_problem(4, rows=96, cols=300, rank=40)
+    # the problem shape and config of test_quant_gptq's and test_quant_gptq_native's GPTQ runs:
+    # the fast run compiles ``ours`` once for all three
+    weights, inputs = correlated_problem(4, rows=48, cols=300, rank=40)
     hessian = inputs.T @ inputs
     grid = GridConfig()
-    ours = gptq_jit(weights, hessian, grid=grid, config=GPTQConfig())
-    theirs = gptq_jit(weights, hessian, grid=grid, config=GPTQConfig(native_cholesky=False))
+    config = GPTQConfig(block_size=64)
+    ours = gptq_jit(weights, hessian, grid=grid, config=config)
+    theirs = gptq_jit(
+        weights, hessian, grid=grid, config=dataclasses.replace(config, native_cholesky=False)
+    )
     assert bool(ours.ok) and bool(theirs.ok)
     assert np.mean(np.asarray(ours.codes) == np.asarray(theirs.codes)) >= 0.995
     np.testing.assert_allclose(float(ours.loss), float(theirs.loss), rtol=1e-3)

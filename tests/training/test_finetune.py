@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from helpers.child_process import popen_python, run_python
 from helpers.json_lines import read_json_lines
-from helpers.switch_fixtures import TINY, write_tiny_compressed
+from helpers.switch_fixtures import TINY
 from helpers.text import synthetic_sentences
 
 from qmoe_jax import evaluate as evaluate_cli
@@ -36,11 +36,11 @@ WATCHDOG_SECONDS = 600
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, tiny_tokenizer):
+def tiny(tmp_path_factory, compressed_tiny, tiny_tokenizer):
     """(T5X checkpoint, compressed directory, config JSON, jsonl task, tokenizer path) of the tiny
     model."""
     root = tmp_path_factory.mktemp("finetune")
-    checkpoint, compressed = write_tiny_compressed(root, tiny_tokenizer.model_path)
+    checkpoint, compressed, _ = compressed_tiny
     config = root / "tiny.json"
     config.write_text(json.dumps(dataclasses.asdict(TINY)))
     sentences = synthetic_sentences(400, seed=3)
