@@ -23,7 +23,7 @@ if __name__ == "__main__":  # before jax is imported: an exec here wastes no sta
 malloc.limit_arenas()
 
 from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
-from qmoe_jax.cli import add_debug_flag, run_cli  # noqa: E402
+from qmoe_jax.cli import add_debug_flag, finite_float, run_cli  # noqa: E402
 from qmoe_jax.compression.job import GRIDS, VERIFY_LEVELS, CompressionOptions, compress_checkpoint  # noqa: E402
 from qmoe_jax.data import PREMASKS  # noqa: E402
 
@@ -80,7 +80,7 @@ def parse_options(argv=None) -> CompressionOptions:
     )
     parser.add_argument(
         "--damping",
-        type=float,
+        type=finite_float,
         default=defaults.damping,
         help="GPTQ damping, as a fraction of mean diag(H) (QMoE: 0.1; GPTQ: 0.01)",
     )

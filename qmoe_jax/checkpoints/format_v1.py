@@ -46,6 +46,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
+from qmoe_jax import strict_json
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
 from qmoe_jax.codec.dictionary import Dictionary, build_dictionary, fingerprint_of
 
@@ -114,7 +115,7 @@ def write_json_atomic(path: str, payload: Any) -> None:
     never half."""
     temporary = path + ".tmp"
     with open(temporary, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
+        strict_json.dump(payload, f, what=path, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)

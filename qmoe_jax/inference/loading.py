@@ -18,6 +18,7 @@ import numpy as np
 from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
 from qmoe_jax.checkpoints.format_v1 import MANIFEST
 from qmoe_jax.checkpoints.mapped_layout import CONVERT, is_mapped_checkpoint
+from qmoe_jax.cli import finite_float
 from qmoe_jax.data import bundled
 from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.inference.mapped_params import (
@@ -197,7 +198,7 @@ def add_model_arguments(parser) -> None:
     )
     parser.add_argument(
         "--expert_cache_gb",
-        type=float,
+        type=finite_float,
         default=DEFAULT_EXPERT_CACHE_GB,
         help="mapped experts: mapped expert pages kept resident at most, in GiB (default: "
         f"{DEFAULT_EXPERT_CACHE_GB:g}); the least recently routed are released first",
