@@ -212,7 +212,13 @@ def _require_finite(tree: dict, where: str) -> None:
                 )
 
 
-def _restore_tree(path: str, fix: str) -> dict:
+def _restore_tree(path: str, fix: str, part: str | None = None, rerun: str = "") -> dict:
+    """The Orbax tree at ``path``, inside ``part`` (the directory a re-run rewrites; default
+    ``path``). A missing ``part`` comes with the advice ``rerun`` (there is nothing to delete),
+    anything else with ``fix``."""
+    part = part or path
+    if not os.path.isdir(part):
+        raise CompressedCheckpointError(f"{part} is missing", rerun or fix)
     if not os.path.isdir(path):
         raise CompressedCheckpointError(f"{path} is missing", fix)
     try:
@@ -236,6 +242,10 @@ def _verify(tree: dict, checksums: dict[str, str], where: str, fix: str) -> None
 
 def _delete_and_rerun(path: str, what: str) -> str:
     return f"delete {path} and {RERUN} that wrote it, which {what}"
+
+
+def _rerun(what: str) -> str:
+    return f"{RERUN} that wrote it, which {what}"
 
 
 class CompressedCheckpointWriter:
@@ -430,7 +440,11 @@ class CompressedCheckpointWriter:
                 self.manifest["dense"] = None
         for fingerprint, record in list(self.manifest["dictionaries"].items()):
             path = os.path.join(self.directory, "dictionaries", record["directory"])
-            problem = damage(path, record["files"], lambda: reader.dictionary(fingerprint))
+            problem = damage(
+                path,
+                record["files"],
+                lambda fingerprint=fingerprint: reader.dictionary(fingerprint),
+            )
             if problem:
                 found.append(
                     f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0"
@@ -439,7 +453,7 @@ class CompressedCheckpointWriter:
                 self.write_dictionary(build_dictionary(record["p0"]))
         for name, record in list(self.manifest["layers"].items()):
             path = os.path.join(self.directory, "layers", name)
-            problem = damage(path, record["files"], lambda: reader.layer(name))
+            problem = damage(path, record["files"], lambda name=name: reader.layer(name))
             if problem:
                 found.append(f"layer {name}: {problem}; it is recomputed")
                 self.discard_layer(name)
@@ -520,8 +534,9 @@ class CompressedCheckpoint:
                 f"{self.directory} has no dense parameters yet", f"{RERUN} to write them"
             )
         path = os.path.join(self.directory, "dense")
-        fix = _delete_and_rerun(path, "rewrites it from the source checkpoint")
-        tree = _restore_tree(path, fix)
+        what = "rewrites it from the source checkpoint"
+        fix = _delete_and_rerun(path, what)
+        tree = _restore_tree(path, fix, rerun=_rerun(what))
         _verify(tree, self.manifest["dense"]["checksums"], "dense parameters", fix)
         return tree
 
@@ -533,7 +548,7 @@ class CompressedCheckpoint:
             )
         path = os.path.join(self.directory, "dictionaries", record["directory"])
         fix = _delete_and_rerun(path, "rebuilds it")
-        entries = np.asarray(_restore_tree(path, fix)["entries"])
+        entries = np.asarray(_restore_tree(path, fix, rerun=_rerun("rebuilds it"))["entries"])
         if fingerprint_of(entries) != fingerprint:
             raise CompressedCheckpointError(
                 f"dictionary {record['directory']} does not match its fingerprint "
@@ -567,9 +582,10 @@ class CompressedCheckpoint:
                 f"layer {name} is not in {self.directory} (finished: "
                 f"{', '.join(self.layer_names()) or 'none'})"
             )
-        fix = _delete_and_rerun(
-            os.path.join(self.directory, "layers", name), "recomputes that layer"
+        part = os.path.join(self.directory, "layers", name)
+        fix = _delete_and_rerun(part, "recomputes that layer")
+        tree = _restore_tree(
+            os.path.join(part, "arrays"), fix, part, _rerun("recomputes that layer")
         )
-        tree = _restore_tree(os.path.join(self.directory, "layers", name, "arrays"), fix)
         _verify(tree, record["checksums"], f"layer {name}", fix)
         return tree, record["stats"]

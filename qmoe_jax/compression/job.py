@@ -19,7 +19,7 @@ import numpy as np
 from qmoe_jax.calibration.data import calibration_data
 from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig
 from qmoe_jax.calibration.layer_pass import CalibrationConfig, CalibrationPass
-from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, path_shapes
+from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
 from qmoe_jax.checkpoints.nonfinite import FiniteWeights, check_policy
@@ -38,8 +38,8 @@ from qmoe_jax.data import (
 from qmoe_jax.data.sources import c4_shard_paths
 from qmoe_jax.inference import load_t5x_params, mean_cross_entropies, validation_set
 from qmoe_jax.inference.compressed_params import load_compressed_model
-from qmoe_jax.inference.loading import infer_config
-from qmoe_jax.models import SwitchConfig, SwitchTransformer, param_shapes
+from qmoe_jax.inference.loading import check_config, infer_config
+from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.quant import GPTQConfig, GridConfig
 
@@ -224,7 +224,7 @@ def _documents(spec: str):
 
 def _check_source(checkpoint: T5XCheckpoint, config: SwitchConfig) -> None:
     """Every array's shape and dtype against ``config``, its zarr metadata and its stored chunks."""
-    checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
+    check_config(checkpoint, config)
     other = [
         f"{path} ({info.dtype.name})"
         for path, info in checkpoint.spec().items()
