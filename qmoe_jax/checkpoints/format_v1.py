@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -401,6 +402,10 @@ class CompressedCheckpointWriter:
             for other in later:
                 self.discard_layer(other)
 
+    def _unrecord_dense(self) -> None:
+        """Unrecords ``dense/`` (its files are damaged), so that the run rewrites it."""
+        self.manifest["dense"] = None
+
     def discard_layer(self, name: str) -> None:
         """Unrecords a finished layer (its files are damaged), so that the run recomputes it."""
         self.replaced[name] = self.manifest["layers"].pop(name)
@@ -415,17 +420,21 @@ class CompressedCheckpointWriter:
         """Checks every recorded part against the disk and repairs what fails.
 
         Every file of ``dense/``, each dictionary and each layer must be there
-        with its recorded size; with ``full``, every array must also match its
-        checksum and every dictionary its fingerprint. A damaged dictionary is
-        rebuilt from its p0 at once; a damaged ``dense/`` or layer is unrecorded,
-        so that the run rewrites it. Returns one line per damaged part.
+        with its recorded size. ``dense/`` and every dictionary are also read
+        back, and must match their checksums and fingerprints: same-size damage
+        shows only there, and they are small next to the layers, which the run
+        reads back (and checks) anyway when it replays them. With ``full``,
+        every layer's checksums are checked here too. A damaged dictionary is
+        rebuilt from its p0 at once; a damaged ``dense/`` or layer is
+        unrecorded, so that the run rewrites it. Returns one line per damaged
+        part.
         """
         reader = CompressedCheckpoint(self.directory)
         found = []
 
-        def damage(path: str, sizes: dict[str, int], read: Callable[[], Any]) -> str | None:
+        def damage(path: str, sizes: dict[str, int], read: Callable[[], Any] | None) -> str | None:
             problem = _missing_or_resized(path, sizes)
-            if problem is None and full:
+            if problem is None and read is not None:
                 try:
                     read()
                 except CompressedCheckpointError as error:
@@ -437,29 +446,37 @@ class CompressedCheckpointWriter:
             problem = damage(dense, self.manifest["dense"]["files"], reader.dense_params)
             if problem:
                 found.append(f"dense/: {problem}; it is rewritten from the source")
-                self.manifest["dense"] = None
+                self._unrecord_dense()
         for fingerprint, record in list(self.manifest["dictionaries"].items()):
             path = os.path.join(self.directory, "dictionaries", record["directory"])
-            problem = damage(
-                path,
-                record["files"],
-                lambda fingerprint=fingerprint: reader.dictionary(fingerprint),
-            )
+            problem = damage(path, record["files"], partial(reader.dictionary, fingerprint))
             if problem:
                 found.append(
                     f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0"
                 )
-                del self.manifest["dictionaries"][fingerprint]
-                self.write_dictionary(build_dictionary(record["p0"]))
+                self.repair_dictionary(fingerprint)
         for name, record in list(self.manifest["layers"].items()):
             path = os.path.join(self.directory, "layers", name)
-            problem = damage(path, record["files"], lambda name=name: reader.layer(name))
+            problem = damage(path, record["files"], partial(reader.layer, name) if full else None)
             if problem:
                 found.append(f"layer {name}: {problem}; it is recomputed")
                 self.discard_layer(name)
         if found:
             self._unfinish()
         return found
+
+    def repair_dictionary(self, fingerprint: str) -> Dictionary:
+        """Rewrites a damaged dictionary from its recorded p0; returns it."""
+        record = self.manifest["dictionaries"].pop(fingerprint)
+        dictionary = build_dictionary(record["p0"])
+        if dictionary.fingerprint != fingerprint:
+            raise CompressedCheckpointError(
+                f"dictionary {record['directory']} of {self.directory} cannot be rebuilt: its "
+                f"recorded p0 {record['p0']} gives another dictionary",
+                f"delete {self.directory} and {RERUN}, which compresses every layer again",
+            )
+        self.write_dictionary(dictionary)
+        return dictionary
 
     def write_adapters(self, adapters: dict, rank: int) -> None:
         """Saves expert LoRA adapters ``{layer: {kernel: {"a": [E, r, in], "b": [E, out, r]}}}``
