@@ -125,8 +125,10 @@ def parse_options(argv=None) -> CompressionOptions:
         "--verify",
         choices=VERIFY_LEVELS,
         default=defaults.verify,
-        help="on resume, check the finished parts' files and sizes (quick) or also every checksum, "
-        "and read the whole source once before the first layer (full)",
+        help="on resume: check the finished parts' files and sizes, dense/ and the dictionaries by "
+        "checksum, and the source's files by size, mtime and inode (quick); or also every layer's "
+        "checksums, and read the whole source once, comparing what the finished parts were made "
+        "from by SHA-256 (full; resumes from a copy of the source)",
     )
     add_debug_flag(parser)
     args = vars(parser.parse_args(argv))

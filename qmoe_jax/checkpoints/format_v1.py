@@ -23,7 +23,11 @@ either the finished layer or nothing; a re-run resumes after the last finished
 layer. Every array carries a SHA-256 in layer.json; loading verifies them, and
 the dictionary fingerprints, and names the array that fails. The manifest also
 records the size of every file of each part, so that a resumed run can check
-cheaply that nothing is missing (``CompressedCheckpointWriter.verify``).
+cheaply that nothing is missing (``CompressedCheckpointWriter.verify``), and
+what the parts were made from: the signals of the source's files when the run
+started (``source_snapshot``, ``checkpoints.source_files``) and, in each
+part's record, the SHA-256 of every source array it read (``source_reads``,
+``checkpoints.read_digests``); ``compression.source_check`` compares them.
 
 The writer follows the rules of ``output_dir``: it writes only into a new,
 empty or compressed-checkpoint directory (``COMPRESSED_OUTPUT``), and it deletes
@@ -63,6 +67,10 @@ ADAPTERS = (
     "adapters"  # optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
 )
 RERUN = "re-run the same `python -m qmoe_jax.compress` command"
+LAYER_RECORD = "layer.json"
+SOURCE_SNAPSHOT = "source_snapshot"  # manifest: the source files' signals (source_files.py)
+SOURCE_READS = "source_reads"  # part records: {param path: digest} of what they were made from
+RUN_HEADER = "run_header"  # layer.json: the header of the run that wrote it
 
 
 def _written_before_marker(manifest: dict) -> bool:
@@ -310,6 +318,9 @@ class CompressedCheckpointWriter:
                 "complete": False,
             }
             self._commit()
+        self._reads: dict[str, str] = {}  # source digests of the recorded parts, and read since
+        for record in self._part_records():
+            self._reads.update(record.get(SOURCE_READS, {}))
         self._remove_unrecorded()
 
     def _remove_unrecorded(self) -> None:
@@ -346,6 +357,51 @@ class CompressedCheckpointWriter:
     def has_dense(self) -> bool:
         return self.manifest["dense"] is not None
 
+    # --- what the parts were made from ----------------------------------------------------------
+    def _part_records(self) -> list[dict]:
+        return ([self.manifest["dense"]] if self.has_dense() else []) + list(
+            self.manifest["layers"].values()
+        )
+
+    def source_snapshot(self) -> dict | None:
+        """The snapshot of the source's files (``checkpoints.source_files``) this run resumes
+        against; None when none is recorded."""
+        return self.manifest.get(SOURCE_SNAPSHOT)
+
+    def set_source_snapshot(self, snapshot: dict) -> None:
+        self.manifest[SOURCE_SNAPSHOT] = snapshot
+        self._commit()
+
+    def recorded_read(self, path: str) -> str | None:
+        """The digest (``checkpoints.read_digests``) of the source array ``path`` as the recorded
+        parts, or this run since, read it; None when it was not read whole."""
+        return self._reads.get(path)
+
+    def recorded_reads(self) -> dict[str, str]:
+        """Every digest ``recorded_read`` knows, by param path."""
+        return dict(self._reads)
+
+    def record_read(self, path: str, digest: str) -> None:
+        """Notes the digest of a source array as read; stored with each part written after."""
+        self._reads.setdefault(path, digest)
+
+    def _layer_source(self, name: str, stats: dict) -> dict:
+        """What a layer record adds so that the layer can be checked without the manifest: the
+        source digests and zeroed counts no other layer record holds, and its dictionary's p0."""
+        others = [record for other, record in self.manifest["layers"].items() if other != name]
+        read = set().union(*(record.get(SOURCE_READS, {}) for record in others))
+        zeroed = set().union(*(record.get("nonfinite_zeroed", {}) for record in others))
+        dictionary = self.manifest["dictionaries"].get(stats.get("dictionary"))
+        return {
+            SOURCE_READS: {p: d for p, d in sorted(self._reads.items()) if p not in read},
+            "nonfinite_zeroed": {
+                key: count
+                for key, count in sorted(self.manifest["nonfinite_zeroed"].items())
+                if key not in zeroed
+            },
+            "dictionary_p0": None if dictionary is None else dictionary["p0"],
+        }
+
     def record_zeroed(self, key: str, count: int) -> None:
         """Notes that ``count`` non-finite source values of ``key`` (an array, or ``array[expert]``)
         were replaced by zeros; stored with the next part written."""
@@ -353,7 +409,10 @@ class CompressedCheckpointWriter:
 
     def write_dense(self, params: dict) -> None:
         """Saves the non-expert parameters (nested dict of arrays)."""
-        self.manifest["dense"] = save_dense(self.directory, params)
+        record = save_dense(self.directory, params)
+        flat = traverse_util.flatten_dict(params, sep="/")
+        record[SOURCE_READS] = {p: self._reads[p] for p in sorted(flat) if p in self._reads}
+        self.manifest["dense"] = record
         self._commit()
 
     def write_dictionary(self, dictionary: Dictionary) -> str:
@@ -383,8 +442,10 @@ class CompressedCheckpointWriter:
             "stats": stats,
             "checksums": _flat_checksums(arrays),
             "files": _file_sizes(staging),
+            **self._layer_source(name, stats),
         }
-        write_json_atomic(os.path.join(staging, "layer.json"), record)
+        run = {RUN_HEADER: self.manifest["header"]}  # layer.json only: rebuild_manifest's check
+        write_json_atomic(os.path.join(staging, LAYER_RECORD), record | run)
         os.replace(staging, final)
         self.manifest["layers"][name] = record
         self._commit()
