@@ -52,7 +52,14 @@ import orbax.checkpoint as ocp
 from flax import traverse_util
 
 from qmoe_jax import strict_json
-from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
+from qmoe_jax.checkpoints.output_dir import (
+    LOCK_FILE,
+    MANIFEST,
+    UNFINISHED_MANIFEST,
+    OutputKind,
+    check_writable,
+    read_json_object,
+)
 from qmoe_jax.codec.dictionary import Dictionary, build_dictionary, fingerprint_of
 
 FORMAT = "qmoe_jax.compressed"
@@ -84,7 +91,37 @@ def _written_before_marker(manifest: dict) -> bool:
     )
 
 
-COMPRESSED_OUTPUT = OutputKind(FORMAT, "a qmoe_jax compressed checkpoint", _written_before_marker)
+OWN_ENTRIES = frozenset({"dense/", "dictionaries/", "layers/", "report.json", "report.png"})
+
+
+def lost_manifest(directory: str) -> bool:
+    """Whether ``directory`` is a compressed checkpoint that lost its manifest: it holds nothing
+    but what the writer writes, at least one finished layer directory with its ``layer.json``,
+    and no ``manifest.json``."""
+    try:
+        names = {
+            entry.name + ("/" if entry.is_dir() else "") for entry in os.scandir(directory)
+        } - {LOCK_FILE, UNFINISHED_MANIFEST}
+        layers = os.listdir(os.path.join(directory, "layers"))
+        dictionaries = (
+            os.listdir(os.path.join(directory, "dictionaries")) if "dictionaries/" in names else []
+        )
+    except OSError:
+        return False
+    return (
+        MANIFEST not in names
+        and names <= OWN_ENTRIES
+        and all(LAYER_DIRECTORY.match(name) for name in layers)
+        and all(DICTIONARY_DIRECTORY.match(name) for name in dictionaries)
+        and any(
+            os.path.isfile(os.path.join(directory, "layers", name, LAYER_RECORD)) for name in layers
+        )
+    )
+
+
+COMPRESSED_OUTPUT = OutputKind(
+    FORMAT, "a qmoe_jax compressed checkpoint", _written_before_marker, lost_manifest
+)
 
 
 class CompressedCheckpointError(ValueError):
@@ -138,7 +175,7 @@ def save_dense(directory: str, params: dict) -> dict:
     if os.path.exists(path):
         shutil.rmtree(path)
     _save_tree(path, params)
-    return {"checksums": _flat_checksums(params), "files": _file_sizes(path)}
+    return {"checksums": _flat_checksums(params), "files": file_sizes(path)}
 
 
 def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
@@ -151,7 +188,7 @@ def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
     return {
         "p0": dictionary.p0,
         "directory": dictionary.fingerprint[:16],
-        "files": _file_sizes(path),
+        "files": file_sizes(path),
     }
 
 
@@ -185,7 +222,7 @@ def _save_tree(path: str, tree: dict) -> None:
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from error
 
 
-def _file_sizes(path: str) -> dict[str, int]:
+def file_sizes(path: str) -> dict[str, int]:
     """Size in bytes of every file under ``path``, by "/"-joined path relative to it."""
     sizes = {}
     for folder, _, files in os.walk(path):
@@ -289,6 +326,12 @@ class CompressedCheckpointWriter:
             str, dict
         ] = {}  # records of layers unrecorded as damaged, until they are rewritten
         stored = read_json_object(os.path.join(directory, MANIFEST))
+        if stored is None and lost_manifest(directory):
+            raise CompressedCheckpointError(
+                f"{directory}/{MANIFEST} is missing",
+                "rebuild it first (checkpoints.manifest_rebuild.rebuild_lost_manifest, as "
+                "`python -m qmoe_jax.compress` does)",
+            )
         if stored is not None and stored.get("format_version") != FORMAT_VERSION:
             raise CompressedCheckpointError(
                 f"{directory} holds a compressed checkpoint of format version "
@@ -441,7 +484,7 @@ class CompressedCheckpointWriter:
         record = {
             "stats": stats,
             "checksums": _flat_checksums(arrays),
-            "files": _file_sizes(staging),
+            "files": file_sizes(staging),
             **self._layer_source(name, stats),
         }
         run = {RUN_HEADER: self.manifest["header"]}  # layer.json only: rebuild_manifest's check
@@ -557,7 +600,7 @@ class CompressedCheckpointWriter:
         self.manifest[ADAPTERS] = {
             "rank": rank,
             "checksums": _flat_checksums(adapters),
-            "files": _file_sizes(path),
+            "files": file_sizes(path),
         }
         self._commit()
 

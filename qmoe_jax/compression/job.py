@@ -22,6 +22,7 @@ from qmoe_jax.calibration.layer_pass import CalibrationConfig, CalibrationPass
 from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, source_files
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
+from qmoe_jax.checkpoints.manifest_rebuild import rebuild_lost_manifest
 from qmoe_jax.checkpoints.nonfinite import FiniteWeights, check_policy
 from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.checkpoints.read_digests import ChangedArrayError
@@ -352,6 +353,9 @@ def compress_checkpoint(
         files = source_files.snapshot(source)
         log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
         with claimed(output_dir, COMPRESSED_OUTPUT):
+            rebuilt = rebuild_lost_manifest(output_dir)
+            if rebuilt:
+                log(rebuilt)
             writer = CompressedCheckpointWriter(
                 output_dir,
                 header,

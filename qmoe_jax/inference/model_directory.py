@@ -8,13 +8,16 @@ directory holds instead of failing on its manifest:
   ``<run>/model``, once the run is complete;
 - a T5X export (``python -m qmoe_jax.export``): its checkpoint is
   ``<export>/checkpoint_<step>``;
-- a gin evaluation output: it holds results, no model.
+- a gin evaluation output: it holds results, no model;
+- a compressed checkpoint that lost its ``manifest.json``: the compress command
+  rebuilds it (``checkpoints.manifest_rebuild``), or the message says why not.
 """
 
 from __future__ import annotations
 
 import os
 
+from qmoe_jax.checkpoints.manifest_rebuild import lost_manifest_advice
 from qmoe_jax.checkpoints.output_dir import MANIFEST, read_json_object
 
 # The markers of training.run_directory.FINETUNE_OUTPUT, interop.t5x_export.EXPORT_OUTPUT and
@@ -62,7 +65,12 @@ DESCRIBED = {FINETUNE_FORMAT: _finetune_run, EXPORT_FORMAT: _export, EVALUATION_
 
 def refuse_non_model(path: str) -> None:
     """Raises ``NotAModelError`` naming what ``path`` is and where its model is, when it is one of
-    qmoe_jax's outputs that is not a model; returns otherwise."""
+    qmoe_jax's outputs that is not a model, or a compressed checkpoint that lost its manifest;
+    returns otherwise."""
     manifest = read_json_object(os.path.join(path, MANIFEST))
     if manifest is not None and manifest.get("format") in DESCRIBED:
         raise NotAModelError(DESCRIBED[manifest["format"]](os.path.abspath(path), manifest))
+    if manifest is None and "://" not in path and os.path.isdir(path):
+        advice = lost_manifest_advice(os.path.abspath(path))
+        if advice is not None:
+            raise NotAModelError(advice)
