@@ -137,12 +137,15 @@ def lost_manifest_advice(directory: str) -> str | None:
     if not lost_manifest(directory):
         return None
     try:
-        rebuilt_manifest(directory)
+        manifest, _ = rebuilt_manifest(directory)
     except CompressedCheckpointError as error:
         return str(error)
+    if "source_fingerprint" in (manifest["header"] or {"source_fingerprint": None}):
+        rerun = f"{RERUN} that wrote it with --verify full"
+    else:  # written by python -m qmoe_jax.import_qmoe, which checks its source files itself
+        rerun = "re-run the same `python -m qmoe_jax.import_qmoe` command that wrote it"
     return (
-        f"{directory} is a qmoe_jax compressed checkpoint whose {MANIFEST} is missing; "
-        f"{RERUN} that wrote it with --verify full, which rebuilds the manifest from the "
-        "layers' records (layers/*/layer.json), checks them against the source and finishes "
-        "the checkpoint"
+        f"{directory} is a qmoe_jax compressed checkpoint whose {MANIFEST} is missing; {rerun}, "
+        "which rebuilds the manifest from the layers' records (layers/*/layer.json), checks them "
+        "against the source and finishes the checkpoint"
     )

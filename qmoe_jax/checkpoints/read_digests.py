@@ -10,8 +10,8 @@ read whole. Each digest goes to ``on_digest(path, digest)``. When
 differs, the read raises ``ChangedArrayError`` naming the array, before its
 values are used: a run never mixes two versions of its source.
 
-Hashing costs one pass of SHA-256 over what is read (about a gigabyte per second
-and core); it reads nothing more.
+Hashing costs one pass of SHA-256 over what is read, on the thread that reads;
+it reads nothing more.
 """
 
 from __future__ import annotations
