@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -47,6 +48,18 @@ def add_debug_flag(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help=f"print the Python traceback of an error (also {DEBUG_ENVIRONMENT}=1)",
     )
+
+
+def finite_float(text: str) -> float:
+    """The argparse ``type`` of every float flag: a finite number. NaN and ±inf are refused when
+    the flags are parsed (exit 2), before anything is loaded."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def _debugging(argv: list[str]) -> bool:

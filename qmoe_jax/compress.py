@@ -24,7 +24,7 @@ malloc.limit_arenas()
 
 # Imported after the malloc set-up above, which must run before jax loads (E402).
 from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
-from qmoe_jax.cli import add_debug_flag, run_cli  # noqa: E402
+from qmoe_jax.cli import add_debug_flag, finite_float, run_cli  # noqa: E402
 from qmoe_jax.compression.job import GRIDS, VERIFY_LEVELS, CompressionOptions, compress_checkpoint  # noqa: E402
 from qmoe_jax.data import PREMASKS  # noqa: E402
 
@@ -81,7 +81,7 @@ def parse_options(argv=None) -> CompressionOptions:
     )
     parser.add_argument(
         "--damping",
-        type=float,
+        type=finite_float,
         default=defaults.damping,
         help="GPTQ damping, as a fraction of mean diag(H) (QMoE: 0.1; GPTQ: 0.01)",
     )
@@ -126,8 +126,10 @@ def parse_options(argv=None) -> CompressionOptions:
         "--verify",
         choices=VERIFY_LEVELS,
         default=defaults.verify,
-        help="on resume, check the finished parts' files and sizes (quick) or also every checksum, "
-        "and read the whole source once before the first layer (full)",
+        help="on resume: check the finished parts' files and sizes, dense/ and the dictionaries by "
+        "checksum, and the source's files by size, mtime and inode (quick); or also every layer's "
+        "checksums, and read the whole source once, comparing what the finished parts were made "
+        "from by SHA-256 (full; resumes from a copy of the source)",
     )
     add_debug_flag(parser)
     args = vars(parser.parse_args(argv))

@@ -21,7 +21,6 @@ process's peak resident memory.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import resource
 import sys
@@ -29,6 +28,7 @@ import time
 
 import numpy as np
 
+from qmoe_jax import strict_json
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference import (
@@ -100,7 +100,7 @@ def evaluate(argv: list[str]) -> None:
         )
     target_tokens = sum(len(targets) for _, targets in validation.examples)
     print(
-        json.dumps(
+        strict_json.dumps(
             {
                 "checkpoint": path,
                 "config": model.config.name,

@@ -17,10 +17,10 @@ checkpoint for a compressed input, a T5X checkpoint for a T5X one (docs/format.m
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
-from qmoe_jax.cli import add_debug_flag, run_cli
+from qmoe_jax import strict_json
+from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
 from qmoe_jax.training import FinetuneOptions, finetune
 from qmoe_jax.training.finetuning import ACTIVATIONS
 
@@ -70,8 +70,8 @@ def parse_options(argv: list[str]) -> FinetuneOptions:
     ):
         parser.add_argument(f"--{name}", type=int, default=getattr(DEFAULTS, name))
     for name in ("learning_rate", "final_learning_rate_fraction", "weight_decay", "clip_norm"):
-        parser.add_argument(f"--{name}", type=float, default=getattr(DEFAULTS, name))
-    parser.add_argument("--dropout_rate", type=float, help="default: the model config's")
+        parser.add_argument(f"--{name}", type=finite_float, default=getattr(DEFAULTS, name))
+    parser.add_argument("--dropout_rate", type=finite_float, help="default: the model config's")
     parser.add_argument("--activations", choices=ACTIVATIONS, default=DEFAULTS.activations)
     add_debug_flag(parser)
     args = vars(parser.parse_args(argv))
@@ -87,7 +87,7 @@ def main_(argv: list[str]) -> None:
         log=lambda line: print(line, file=sys.stderr, flush=True),
         progress=sys.stderr.isatty(),
     )
-    print(json.dumps(summary))
+    print(strict_json.dumps(summary, what="the fine-tuning summary"))
 
 
 def main(argv=None) -> None:

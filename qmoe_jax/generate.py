@@ -25,10 +25,15 @@ import json
 import sys
 import time
 
-from qmoe_jax.cli import add_debug_flag, run_cli
+from qmoe_jax import strict_json
+from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference import add_model_arguments, open_model_from_args
-from qmoe_jax.inference.generation import generate_texts
+from qmoe_jax.inference.generation import (
+    check_attention_memory,
+    encode_prompts,
+    generate_encoded,
+)
 from qmoe_jax.inference.strategies import METHODS, DecodingConfig
 
 
@@ -40,11 +45,14 @@ def read_prompts(path: str) -> list[str]:
             if not line.strip():
                 continue
             try:
-                prompts.append(str(json.loads(line)["inputs"]))
+                prompt = str(json.loads(line)["inputs"])
             except (ValueError, KeyError, TypeError):
                 raise ValueError(
                     f'{path}:{number} is not a JSON object with an "inputs" field'
                 ) from None
+            if not prompt.strip():
+                raise ValueError(f'{path}:{number} has an empty "inputs" field; give it a prompt')
+            prompts.append(prompt)
     return prompts
 
 
@@ -60,28 +68,40 @@ def generate(argv: list[str]) -> None:
     parser.add_argument("--output_file", help="write JSON lines here (default: standard output)")
     parser.add_argument("--decoding", choices=METHODS, default="greedy")
     parser.add_argument("--max_decode_length", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--temperature", type=finite_float, default=1.0)
     parser.add_argument(
         "--top_k", type=int, default=0, help="sample from the k most likely tokens (0: off)"
     )
-    parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1.0: off)")
+    parser.add_argument(
+        "--top_p", type=finite_float, default=1.0, help="nucleus sampling mass (1.0: off)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--beam_size", type=int, default=4)
     parser.add_argument(
-        "--alpha", type=float, default=0.6, help="beam search brevity penalty exponent (T5X: 0.6)"
+        "--alpha",
+        type=finite_float,
+        default=0.6,
+        help="beam search brevity penalty exponent (T5X: 0.6)",
     )
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument(
         "--inputs_length",
         type=int,
-        help="encoder length (default: longest prompt, rounded up to 8)",
+        help="encoder length (default: the longest prompt rounded up to 8, which may have at "
+        "most 512 tokens; a longer one needs an explicit --inputs_length)",
     )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if bool(args.prompt) == bool(args.input_file):
         parser.error("give --prompt (repeatable) or --input_file, not both and not neither")
-    if args.batch_size < 1:
-        parser.error(f"--batch_size must be at least 1, got {args.batch_size}")
+    if any(not prompt.strip() for prompt in args.prompt):
+        parser.error(
+            '--prompt is empty; give the text to continue, e.g. --prompt "The <extra_id_0> walks '
+            'in the park."'
+        )
+    for flag in ("batch_size", "inputs_length"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1, got {getattr(args, flag)}")
     try:
         config = DecodingConfig(
             method=args.decoding,
@@ -96,39 +116,36 @@ def generate(argv: list[str]) -> None:
         parser.error(str(error))
 
     prompts = args.prompt or read_prompts(args.input_file)
+    if not prompts:
+        raise ValueError(f"{args.input_file} holds no prompts")
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
+    tokens = encode_prompts(tokenizer, prompts, args.inputs_length)  # bounded before any work
     model = open_model_from_args(args)
+    check_attention_memory(model.config, args.batch_size, tokens.shape[1])
     started, generated_tokens = time.perf_counter(), 0
-    errors = model.residency.errors() if model.residency is not None else contextlib.nullcontext()
-    with (
-        (
-            open(args.output_file, "w") if args.output_file else contextlib.nullcontext(sys.stdout)
-        ) as out,
-        errors,
-    ):
-        for result in generate_texts(
+    with contextlib.ExitStack() as stack:
+        out = stack.enter_context(open(args.output_file, "w")) if args.output_file else sys.stdout
+        if model.residency is not None:
+            stack.enter_context(model.residency.errors())
+        for result in generate_encoded(
             model.module,
             model.params,
             tokenizer,
             prompts,
+            tokens,
             config,
             args.batch_size,
-            args.inputs_length,
             args.seed,
             progress=bool(args.input_file) and sys.stderr.isatty(),
         ):
             generated_tokens += len(result.tokens)
-            out.write(
-                json.dumps(
-                    {
-                        "inputs": result.inputs,
-                        "generated": result.text,
-                        "tokens": result.tokens,
-                        "score": round(result.score, 6),
-                    }
-                )
-                + "\n"
-            )
+            line = {
+                "inputs": result.inputs,
+                "generated": result.text,
+                "tokens": result.tokens,
+                "score": round(result.score, 6),
+            }
+            out.write(strict_json.dumps(line, what="a generated line") + "\n")
             out.flush()
     seconds = time.perf_counter() - started
     print(

@@ -217,18 +217,24 @@ class CalibrationPass:
         buffer.states += outputs.astype(buffer.states.dtype)
 
     def _stored_layer(self, name: str) -> tuple[dict, Dictionary | None] | None:
-        """(arrays, dictionary) of a finished layer, read back and verified; None when they fail the
-        checks, and then the layer is unrecorded and compressed again like an unfinished one."""
+        """(arrays, dictionary) of a finished layer, read back and verified; None when its arrays
+        fail the checks, and then the layer is unrecorded and compressed again like an unfinished
+        one. A damaged dictionary is rebuilt from its p0 (the layer's codes stay valid)."""
         stored = CompressedCheckpoint(self.writer.directory)
         try:
             arrays, stats = stored.layer(name)
-            return arrays, stored.dictionary(stats["dictionary"]) if stats[
-                "dictionary"
-            ] is not None else None
         except CompressedCheckpointError as damage:
             self.log(f"{name}: {damage.problem}; compressing it again")
             self.writer.discard_layer(name)
             return None
+        fingerprint = stats["dictionary"]
+        if fingerprint is None:
+            return arrays, None
+        try:
+            return arrays, stored.dictionary(fingerprint)
+        except CompressedCheckpointError as damage:
+            self.log(f"{name}: {damage.problem}; rebuilding the dictionary from its p0")
+            return arrays, self.writer.repair_dictionary(fingerprint)
 
     def _dictionary_for(self, quantized: dict[str, QuantizedKernel]) -> Dictionary:
         if self.settings.dictionary == "static":

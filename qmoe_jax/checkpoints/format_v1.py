@@ -23,7 +23,11 @@ either the finished layer or nothing; a re-run resumes after the last finished
 layer. Every array carries a SHA-256 in layer.json; loading verifies them, and
 the dictionary fingerprints, and names the array that fails. The manifest also
 records the size of every file of each part, so that a resumed run can check
-cheaply that nothing is missing (``CompressedCheckpointWriter.verify``).
+cheaply that nothing is missing (``CompressedCheckpointWriter.verify``), and
+what the parts were made from: the signals of the source's files when the run
+started (``source_snapshot``, ``checkpoints.source_files``) and, in each
+part's record, the SHA-256 of every source array it read (``source_reads``,
+``checkpoints.read_digests``); ``compression.source_check`` compares them.
 
 The writer follows the rules of ``output_dir``: it writes only into a new,
 empty or compressed-checkpoint directory (``COMPRESSED_OUTPUT``), and it deletes
@@ -33,13 +37,13 @@ only entries it writes itself: ``dense/``, ``dictionaries/<fp16>/`` and
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import jax
@@ -47,7 +51,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
+from qmoe_jax import strict_json
+from qmoe_jax.checkpoints.output_dir import (
+    LOCK_FILE,
+    MANIFEST,
+    UNFINISHED_MANIFEST,
+    OutputKind,
+    check_writable,
+    read_json_object,
+)
 from qmoe_jax.codec.dictionary import Dictionary, build_dictionary, fingerprint_of
 
 FORMAT = "qmoe_jax.compressed"
@@ -60,6 +72,10 @@ DENSE_TEMPORARY = re.compile(rf"^dense{ORBAX_TEMPORARY}$")
 # optional expert LoRA adapters of a fine-tuned checkpoint (docs/format.md §8.9)
 ADAPTERS = "adapters"
 RERUN = "re-run the same `python -m qmoe_jax.compress` command"
+LAYER_RECORD = "layer.json"
+SOURCE_SNAPSHOT = "source_snapshot"  # manifest: the source files' signals (source_files.py)
+SOURCE_READS = "source_reads"  # part records: {param path: digest} of what they were made from
+RUN_HEADER = "run_header"  # layer.json: the header of the run that wrote it
 
 
 def _written_before_marker(manifest: dict) -> bool:
@@ -73,7 +89,37 @@ def _written_before_marker(manifest: dict) -> bool:
     )
 
 
-COMPRESSED_OUTPUT = OutputKind(FORMAT, "a qmoe_jax compressed checkpoint", _written_before_marker)
+OWN_ENTRIES = frozenset({"dense/", "dictionaries/", "layers/", "report.json", "report.png"})
+
+
+def lost_manifest(directory: str) -> bool:
+    """Whether ``directory`` is a compressed checkpoint that lost its manifest: it holds nothing
+    but what the writer writes, at least one finished layer directory with its ``layer.json``,
+    and no ``manifest.json``."""
+    try:
+        names = {
+            entry.name + ("/" if entry.is_dir() else "") for entry in os.scandir(directory)
+        } - {LOCK_FILE, UNFINISHED_MANIFEST}
+        layers = os.listdir(os.path.join(directory, "layers"))
+        dictionaries = (
+            os.listdir(os.path.join(directory, "dictionaries")) if "dictionaries/" in names else []
+        )
+    except OSError:
+        return False
+    return (
+        MANIFEST not in names
+        and names <= OWN_ENTRIES
+        and all(LAYER_DIRECTORY.match(name) for name in layers)
+        and all(DICTIONARY_DIRECTORY.match(name) for name in dictionaries)
+        and any(
+            os.path.isfile(os.path.join(directory, "layers", name, LAYER_RECORD)) for name in layers
+        )
+    )
+
+
+COMPRESSED_OUTPUT = OutputKind(
+    FORMAT, "a qmoe_jax compressed checkpoint", _written_before_marker, lost_manifest
+)
 
 
 class CompressedCheckpointError(ValueError):
@@ -113,7 +159,7 @@ def write_json_atomic(path: str, payload: Any) -> None:
     never half."""
     temporary = path + ".tmp"
     with open(temporary, "w") as f:
-        json.dump(payload, f, indent=1, sort_keys=True)
+        strict_json.dump(payload, f, what=path, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
@@ -127,7 +173,7 @@ def save_dense(directory: str, params: dict) -> dict:
     if os.path.exists(path):
         shutil.rmtree(path)
     _save_tree(path, params)
-    return {"checksums": _flat_checksums(params), "files": _file_sizes(path)}
+    return {"checksums": _flat_checksums(params), "files": file_sizes(path)}
 
 
 def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
@@ -140,7 +186,7 @@ def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
     return {
         "p0": dictionary.p0,
         "directory": dictionary.fingerprint[:16],
-        "files": _file_sizes(path),
+        "files": file_sizes(path),
     }
 
 
@@ -174,7 +220,7 @@ def _save_tree(path: str, tree: dict) -> None:
         raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from error
 
 
-def _file_sizes(path: str) -> dict[str, int]:
+def file_sizes(path: str) -> dict[str, int]:
     """Size in bytes of every file under ``path``, by "/"-joined path relative to it."""
     sizes = {}
     for folder, _, files in os.walk(path):
@@ -210,7 +256,13 @@ def _require_finite(tree: dict, where: str) -> None:
                 )
 
 
-def _restore_tree(path: str, fix: str) -> dict:
+def _restore_tree(path: str, fix: str, part: str | None = None, rerun: str = "") -> dict:
+    """The Orbax tree at ``path``, inside ``part`` (the directory a re-run rewrites; default
+    ``path``). A missing ``part`` comes with the advice ``rerun`` (there is nothing to delete),
+    anything else with ``fix``."""
+    part = part or path
+    if not os.path.isdir(part):
+        raise CompressedCheckpointError(f"{part} is missing", rerun or fix)
     if not os.path.isdir(path):
         raise CompressedCheckpointError(f"{path} is missing", fix)
     try:
@@ -234,6 +286,10 @@ def _verify(tree: dict, checksums: dict[str, str], where: str, fix: str) -> None
 
 def _delete_and_rerun(path: str, what: str) -> str:
     return f"delete {path} and {RERUN} that wrote it, which {what}"
+
+
+def _rerun(what: str) -> str:
+    return f"{RERUN} that wrote it, which {what}"
 
 
 class CompressedCheckpointWriter:
@@ -268,6 +324,12 @@ class CompressedCheckpointWriter:
             str, dict
         ] = {}  # records of layers unrecorded as damaged, until they are rewritten
         stored = read_json_object(os.path.join(directory, MANIFEST))
+        if stored is None and lost_manifest(directory):
+            raise CompressedCheckpointError(
+                f"{directory}/{MANIFEST} is missing",
+                "rebuild it first (checkpoints.manifest_rebuild.rebuild_lost_manifest, as "
+                "`python -m qmoe_jax.compress` does)",
+            )
         if stored is not None and stored.get("format_version") != FORMAT_VERSION:
             raise CompressedCheckpointError(
                 f"{directory} holds a compressed checkpoint of format version "
@@ -297,6 +359,9 @@ class CompressedCheckpointWriter:
                 "complete": False,
             }
             self._commit()
+        self._reads: dict[str, str] = {}  # source digests of the recorded parts, and read since
+        for record in self._part_records():
+            self._reads.update(record.get(SOURCE_READS, {}))
         self._remove_unrecorded()
 
     def _remove_unrecorded(self) -> None:
@@ -333,6 +398,51 @@ class CompressedCheckpointWriter:
     def has_dense(self) -> bool:
         return self.manifest["dense"] is not None
 
+    # --- what the parts were made from ----------------------------------------------------------
+    def _part_records(self) -> list[dict]:
+        return ([self.manifest["dense"]] if self.has_dense() else []) + list(
+            self.manifest["layers"].values()
+        )
+
+    def source_snapshot(self) -> dict | None:
+        """The snapshot of the source's files (``checkpoints.source_files``) this run resumes
+        against; None when none is recorded."""
+        return self.manifest.get(SOURCE_SNAPSHOT)
+
+    def set_source_snapshot(self, snapshot: dict) -> None:
+        self.manifest[SOURCE_SNAPSHOT] = snapshot
+        self._commit()
+
+    def recorded_read(self, path: str) -> str | None:
+        """The digest (``checkpoints.read_digests``) of the source array ``path`` as the recorded
+        parts, or this run since, read it; None when it was not read whole."""
+        return self._reads.get(path)
+
+    def recorded_reads(self) -> dict[str, str]:
+        """Every digest ``recorded_read`` knows, by param path."""
+        return dict(self._reads)
+
+    def record_read(self, path: str, digest: str) -> None:
+        """Notes the digest of a source array as read; stored with each part written after."""
+        self._reads.setdefault(path, digest)
+
+    def _layer_source(self, name: str, stats: dict) -> dict:
+        """What a layer record adds so that the layer can be checked without the manifest: the
+        source digests and zeroed counts no other layer record holds, and its dictionary's p0."""
+        others = [record for other, record in self.manifest["layers"].items() if other != name]
+        read = set().union(*(record.get(SOURCE_READS, {}) for record in others))
+        zeroed = set().union(*(record.get("nonfinite_zeroed", {}) for record in others))
+        dictionary = self.manifest["dictionaries"].get(stats.get("dictionary"))
+        return {
+            SOURCE_READS: {p: d for p, d in sorted(self._reads.items()) if p not in read},
+            "nonfinite_zeroed": {
+                key: count
+                for key, count in sorted(self.manifest["nonfinite_zeroed"].items())
+                if key not in zeroed
+            },
+            "dictionary_p0": None if dictionary is None else dictionary["p0"],
+        }
+
     def record_zeroed(self, key: str, count: int) -> None:
         """Notes that ``count`` non-finite source values of ``key`` (an array, or ``array[expert]``)
         were replaced by zeros; stored with the next part written."""
@@ -340,7 +450,10 @@ class CompressedCheckpointWriter:
 
     def write_dense(self, params: dict) -> None:
         """Saves the non-expert parameters (nested dict of arrays)."""
-        self.manifest["dense"] = save_dense(self.directory, params)
+        record = save_dense(self.directory, params)
+        flat = traverse_util.flatten_dict(params, sep="/")
+        record[SOURCE_READS] = {p: self._reads[p] for p in sorted(flat) if p in self._reads}
+        self.manifest["dense"] = record
         self._commit()
 
     def write_dictionary(self, dictionary: Dictionary) -> str:
@@ -369,9 +482,11 @@ class CompressedCheckpointWriter:
         record = {
             "stats": stats,
             "checksums": _flat_checksums(arrays),
-            "files": _file_sizes(staging),
+            "files": file_sizes(staging),
+            **self._layer_source(name, stats),
         }
-        write_json_atomic(os.path.join(staging, "layer.json"), record)
+        run = {RUN_HEADER: self.manifest["header"]}  # layer.json only: rebuild_manifest's check
+        write_json_atomic(os.path.join(staging, LAYER_RECORD), record | run)
         os.replace(staging, final)
         self.manifest["layers"][name] = record
         self._commit()
@@ -389,6 +504,10 @@ class CompressedCheckpointWriter:
             for other in later:
                 self.discard_layer(other)
 
+    def _unrecord_dense(self) -> None:
+        """Unrecords ``dense/`` (its files are damaged), so that the run rewrites it."""
+        self.manifest["dense"] = None
+
     def discard_layer(self, name: str) -> None:
         """Unrecords a finished layer (its files are damaged), so that the run recomputes it."""
         self.replaced[name] = self.manifest["layers"].pop(name)
@@ -403,17 +522,21 @@ class CompressedCheckpointWriter:
         """Checks every recorded part against the disk and repairs what fails.
 
         Every file of ``dense/``, each dictionary and each layer must be there
-        with its recorded size; with ``full``, every array must also match its
-        checksum and every dictionary its fingerprint. A damaged dictionary is
-        rebuilt from its p0 at once; a damaged ``dense/`` or layer is unrecorded,
-        so that the run rewrites it. Returns one line per damaged part.
+        with its recorded size. ``dense/`` and every dictionary are also read
+        back, and must match their checksums and fingerprints: same-size damage
+        shows only there, and they are small next to the layers, which the run
+        reads back (and checks) anyway when it replays them. With ``full``,
+        every layer's checksums are checked here too. A damaged dictionary is
+        rebuilt from its p0 at once; a damaged ``dense/`` or layer is
+        unrecorded, so that the run rewrites it. Returns one line per damaged
+        part.
         """
         reader = CompressedCheckpoint(self.directory)
         found = []
 
-        def damage(path: str, sizes: dict[str, int], read: Callable[[], Any]) -> str | None:
+        def damage(path: str, sizes: dict[str, int], read: Callable[[], Any] | None) -> str | None:
             problem = _missing_or_resized(path, sizes)
-            if problem is None and full:
+            if problem is None and read is not None:
                 try:
                     read()
                 except CompressedCheckpointError as error:
@@ -425,27 +548,37 @@ class CompressedCheckpointWriter:
             problem = damage(dense, self.manifest["dense"]["files"], reader.dense_params)
             if problem:
                 found.append(f"dense/: {problem}; it is rewritten from the source")
-                self.manifest["dense"] = None
+                self._unrecord_dense()
         for fingerprint, record in list(self.manifest["dictionaries"].items()):
             path = os.path.join(self.directory, "dictionaries", record["directory"])
-            problem = damage(
-                path, record["files"], functools.partial(reader.dictionary, fingerprint)
-            )
+            problem = damage(path, record["files"], partial(reader.dictionary, fingerprint))
             if problem:
                 found.append(
                     f"dictionary {record['directory']}: {problem}; it is rebuilt from its p0"
                 )
-                del self.manifest["dictionaries"][fingerprint]
-                self.write_dictionary(build_dictionary(record["p0"]))
+                self.repair_dictionary(fingerprint)
         for name, record in list(self.manifest["layers"].items()):
             path = os.path.join(self.directory, "layers", name)
-            problem = damage(path, record["files"], functools.partial(reader.layer, name))
+            problem = damage(path, record["files"], partial(reader.layer, name) if full else None)
             if problem:
                 found.append(f"layer {name}: {problem}; it is recomputed")
                 self.discard_layer(name)
         if found:
             self._unfinish()
         return found
+
+    def repair_dictionary(self, fingerprint: str) -> Dictionary:
+        """Rewrites a damaged dictionary from its recorded p0; returns it."""
+        record = self.manifest["dictionaries"].pop(fingerprint)
+        dictionary = build_dictionary(record["p0"])
+        if dictionary.fingerprint != fingerprint:
+            raise CompressedCheckpointError(
+                f"dictionary {record['directory']} of {self.directory} cannot be rebuilt: its "
+                f"recorded p0 {record['p0']} gives another dictionary",
+                f"delete {self.directory} and {RERUN}, which compresses every layer again",
+            )
+        self.write_dictionary(dictionary)
+        return dictionary
 
     def write_adapters(self, adapters: dict, rank: int) -> None:
         """Saves expert LoRA adapters ``{layer: {kernel: {"a": [E, r, in], "b": [E, out, r]}}}``
@@ -465,7 +598,7 @@ class CompressedCheckpointWriter:
         self.manifest[ADAPTERS] = {
             "rank": rank,
             "checksums": _flat_checksums(adapters),
-            "files": _file_sizes(path),
+            "files": file_sizes(path),
         }
         self._commit()
 
@@ -520,8 +653,9 @@ class CompressedCheckpoint:
                 f"{self.directory} has no dense parameters yet", f"{RERUN} to write them"
             )
         path = os.path.join(self.directory, "dense")
-        fix = _delete_and_rerun(path, "rewrites it from the source checkpoint")
-        tree = _restore_tree(path, fix)
+        what = "rewrites it from the source checkpoint"
+        fix = _delete_and_rerun(path, what)
+        tree = _restore_tree(path, fix, rerun=_rerun(what))
         _verify(tree, self.manifest["dense"]["checksums"], "dense parameters", fix)
         return tree
 
@@ -533,7 +667,7 @@ class CompressedCheckpoint:
             )
         path = os.path.join(self.directory, "dictionaries", record["directory"])
         fix = _delete_and_rerun(path, "rebuilds it")
-        entries = np.asarray(_restore_tree(path, fix)["entries"])
+        entries = np.asarray(_restore_tree(path, fix, rerun=_rerun("rebuilds it"))["entries"])
         if fingerprint_of(entries) != fingerprint:
             raise CompressedCheckpointError(
                 f"dictionary {record['directory']} does not match its fingerprint "
@@ -567,9 +701,10 @@ class CompressedCheckpoint:
                 f"layer {name} is not in {self.directory} (finished: "
                 f"{', '.join(self.layer_names()) or 'none'})"
             )
-        fix = _delete_and_rerun(
-            os.path.join(self.directory, "layers", name), "recomputes that layer"
+        part = os.path.join(self.directory, "layers", name)
+        fix = _delete_and_rerun(part, "recomputes that layer")
+        tree = _restore_tree(
+            os.path.join(part, "arrays"), fix, part, _rerun("recomputes that layer")
         )
-        tree = _restore_tree(os.path.join(self.directory, "layers", name, "arrays"), fix)
         _verify(tree, record["checksums"], f"layer {name}", fix)
         return tree, record["stats"]

@@ -4,9 +4,10 @@ The rules, for every command that writes an output directory:
 
 - It writes only into a directory that is new, empty, or an output of its own
   kind that qmoe_jax made, recognized by the ``"format"`` marker of the
-  directory's ``manifest.json`` (``OutputKind``). Anything else is refused
-  before any work starts, with a message that names the directory and what it
-  holds.
+  directory's ``manifest.json`` (``OutputKind``), or, when that manifest was
+  lost, by the names of everything the directory holds. Anything else is
+  refused before any work starts, with a message that names the directory and
+  what it holds.
 - It holds an exclusive lock (``fcntl.flock`` on ``.qmoe_jax.lock`` in the
   directory) while it runs, so a second writer is refused, naming the first.
   The lock file stays; only the lock on it is released.
@@ -41,11 +42,14 @@ class OutputKind:
       description: what such a directory is, for messages ("a qmoe_jax compressed checkpoint").
       written_before_marker: recognizes the manifests of this kind written before the marker
         existed.
+      lost_manifest: recognizes, by the names of what it holds, a directory of this kind whose
+        manifest is missing and can be rebuilt by the writer; such a directory is writable.
     """
 
     marker: str
     description: str
     written_before_marker: Callable[[dict], bool] = lambda manifest: False
+    lost_manifest: Callable[[str], bool] = lambda directory: False
 
     def owns(self, manifest: dict) -> bool:
         if "format" in manifest:
@@ -97,6 +101,8 @@ def check_writable(directory: str, kind: OutputKind) -> None:
     unfinished = read_json_object(os.path.join(directory, UNFINISHED_MANIFEST))
     if names == [UNFINISHED_MANIFEST] and unfinished is not None and kind.owns(unfinished):
         return  # a run stopped while writing its first manifest
+    if MANIFEST not in names and kind.lost_manifest(directory):
+        return  # the writer rebuilds the manifest, or says why it cannot
     if MANIFEST in names and manifest is None:
         raise OutputDirectoryError(
             f"{directory}/{MANIFEST} is not a readable JSON object (damaged, or another tool's), "

@@ -1,8 +1,9 @@
 """Checking a checkpoint's array shapes against what a model config expects.
 
 Lingo: *expected* maps param paths to shapes (the model engineer derives it
-from a config); a *layer prefix* is ``encoder/layers_3``. One error lists every
-disagreement and the config mismatch that most likely explains it.
+from a config); a *layer prefix* is ``encoder/layers_3``. One error, in one line, counts
+the disagreements, shows one of each kind, and names the config mismatch that most likely
+explains them.
 """
 
 from __future__ import annotations
@@ -12,13 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from qmoe_jax.checkpoints.errors import ShapeMismatchError
 
-MAX_LISTED = 12
 _LAYER = re.compile(r"^((?:encoder|decoder)/layers_)(\d+)(/|$)")
-
-
-def _listed(lines: list[str]) -> list[str]:
-    more = len(lines) - MAX_LISTED
-    return lines[:MAX_LISTED] + ([f"  ... and {more} more"] if more > 0 else [])
 
 
 def _layer_count(paths, stack: str) -> int:
@@ -98,7 +93,8 @@ def check_shapes(
     config_name: str | None = None,
     allow_extra: bool = False,
 ) -> None:
-    """Raises ``ShapeMismatchError`` listing every missing, extra or mis-shaped array.
+    """Raises ``ShapeMismatchError`` counting the missing, extra and mis-shaped arrays, in one
+    line.
 
     Args:
       found: param path → shape held by the checkpoint.
@@ -113,30 +109,35 @@ def check_shapes(
     differ = sorted(p for p in expected if p in found and tuple(found[p]) != tuple(expected[p]))
     if not (missing or extra or differ):
         return
-    lines = [f"the checkpoint {where} does not match {config}:"]
-    lines += _listed(
-        [
-            f"  {p} has shape {tuple(found[p])} in the checkpoint but {config} expects "
-            f"{tuple(expected[p])}"
-            for p in differ
-        ]
+    parts = []
+    if differ:
+        p = differ[0]
+        parts.append(
+            f"{_count(differ, 'array differs', 'arrays differ')}, e.g. {p} has shape "
+            f"{tuple(found[p])} in the checkpoint but {config} expects {tuple(expected[p])}"
+        )
+    if missing:
+        p = missing[0]
+        parts.append(
+            f"{_count(missing, 'array is', 'arrays are')} missing from the checkpoint, e.g. {p} "
+            f"({config} expects shape {tuple(expected[p])})"
+        )
+    if extra:
+        p = extra[0]
+        parts.append(
+            f"{_count(extra, 'array is', 'arrays are')} in the checkpoint but {config} does not "
+            f"expect them, e.g. {p} {tuple(found[p])}"
+        )
+    raise ShapeMismatchError(
+        f"the checkpoint {where} does not match {config}: "
+        + "; ".join(parts)
+        + "; likely cause: "
+        + "; ".join(_hints(found, missing, extra, differ, expected))
     )
-    lines += _listed(
-        [
-            f"  {p} is missing from the checkpoint ({config} expects shape {tuple(expected[p])})"
-            for p in missing
-        ]
-    )
-    lines += _listed(
-        [
-            f"  {p} {tuple(found[p])} is in the checkpoint but {config} does not expect it"
-            for p in extra
-        ]
-    )
-    lines.append(
-        "Likely cause: " + "; ".join(_hints(found, missing, extra, differ, expected)) + "."
-    )
-    raise ShapeMismatchError("\n".join(lines))
+
+
+def _count(paths: list[str], one: str, many: str) -> str:
+    return f"1 {one}" if len(paths) == 1 else f"{len(paths)} {many}"
 
 
 def path_shapes(tree: Mapping) -> dict[str, tuple[int, ...]]:

@@ -19,11 +19,14 @@ import numpy as np
 from qmoe_jax.calibration.data import calibration_data
 from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig
 from qmoe_jax.calibration.layer_pass import CalibrationConfig, CalibrationPass
-from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, path_shapes
+from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, source_files
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
+from qmoe_jax.checkpoints.manifest_rebuild import rebuild_lost_manifest
 from qmoe_jax.checkpoints.nonfinite import FiniteWeights, check_policy
 from qmoe_jax.checkpoints.output_dir import claimed
+from qmoe_jax.checkpoints.read_digests import ChangedArrayError
+from qmoe_jax.compression import source_check
 from qmoe_jax.compression.report import build_report, summary_table, write_report
 from qmoe_jax.compression.resume import check_resume
 from qmoe_jax.data import (
@@ -38,8 +41,8 @@ from qmoe_jax.data import (
 from qmoe_jax.data.sources import c4_shard_paths
 from qmoe_jax.inference import load_t5x_params, mean_cross_entropies, validation_set
 from qmoe_jax.inference.compressed_params import load_compressed_model
-from qmoe_jax.inference.loading import infer_config
-from qmoe_jax.models import SwitchConfig, SwitchTransformer, param_shapes
+from qmoe_jax.inference.loading import check_config, infer_config
+from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.quant import GPTQConfig, GridConfig
 
@@ -89,9 +92,12 @@ class CompressionOptions:
         array) or "zero" (set them to 0, counted in the manifest and report).
         Not recorded in the header: a run that zeroed nothing may continue
         under either policy (``resume.check_resume``).
-      verify: what a resumed run checks of the finished parts before going on:
-        "quick" (every file there, with its recorded size) or "full" (also every
-        checksum, and every source array read once before the first layer).
+      verify: what a resumed run checks before going on (docs/recovery.md): "quick"
+        (every file of the finished parts there with its recorded size, dense/ and
+        the dictionaries by checksum, the source's files by size, mtime, ctime and
+        inode) or "full" (also every layer's checksums, and every source array read
+        once before the first layer and compared by SHA-256 with what the finished
+        parts were made from; a copied source resumes only so).
     """
 
     checkpoint: str | None = _not_in_header()
@@ -224,7 +230,7 @@ def _documents(spec: str):
 
 def _check_source(checkpoint: T5XCheckpoint, config: SwitchConfig) -> None:
     """Every array's shape and dtype against ``config``, its zarr metadata and its stored chunks."""
-    checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
+    check_config(checkpoint, config)
     other = [
         f"{path} ({info.dtype.name})"
         for path, info in checkpoint.spec().items()
@@ -344,8 +350,12 @@ def compress_checkpoint(
                 tokenizer=os.path.basename(tokenizer.model_path), gptq_memory_mb=gptq_memory_mb
             ),
         }
+        files = source_files.snapshot(source)
         log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
         with claimed(output_dir, COMPRESSED_OUTPUT):
+            rebuilt = rebuild_lost_manifest(output_dir)
+            if rebuilt:
+                log(rebuilt)
             writer = CompressedCheckpointWriter(
                 output_dir,
                 header,
@@ -354,15 +364,26 @@ def compress_checkpoint(
                     stored, header, options.nonfinite, output_dir
                 ),
             )
+            files_differ = source_check.check_files(writer, source, files, options.verify, log)
             for damage in writer.verify(full=options.verify == "full"):
                 log(f"repairing {damage}")
             if writer.has_dense() or writer.finished_layers():
                 log(_resuming(writer, config, path))
             report = _compress(
-                options, config, source, tokenizer, writer, gptq_memory_mb, log, progress
+                options,
+                config,
+                source,
+                tokenizer,
+                writer,
+                gptq_memory_mb,
+                log,
+                progress,
+                (files, files_differ),
             )
             report["seconds"]["total"] = time.perf_counter() - started
             write_report(report, output_dir)
+    except ChangedArrayError as error:
+        raise source_check.changed_array(error, writer.directory if writer else "") from None
     except (KeyboardInterrupt, OSError) as error:
         if writer is not None:
             error.add_note(_resume_advice(writer, config))
@@ -383,12 +404,17 @@ def _compress(
     gptq_memory_mb: int,
     log: Callable[[str], None],
     progress: bool,
+    files: tuple[dict, bool],
 ) -> dict:
     """The work of ``compress_checkpoint`` once everything is checked: calibrate, compress,
-    report."""
-    weights = FiniteWeights(source, options.nonfinite, on_zeroed=writer.record_zeroed)
+    report. ``files``: the snapshot of the source's files, and whether it differs from the
+    recorded one (``source_check.check_files``)."""
+    reads = source_check.digested(source, writer)
+    weights = FiniteWeights(reads, options.nonfinite, on_zeroed=writer.record_zeroed)
     if options.verify == "full":
+        recorded = set(writer.recorded_reads())
         weights.check_all()
+        source_check.confirm_content(writer, reads, recorded, *files, log)
 
     data_started = time.perf_counter()
     data = calibration_data(
@@ -415,6 +441,7 @@ def _compress(
         log=log,
         progress=progress,
     ).run()
+    source_check.check_unchanged_while_read(writer, source)
     total, experts = _parameter_counts(source)
     seconds = {"data": data_seconds} | result["seconds"]
     report = build_report(writer.manifest, total, experts, seconds)

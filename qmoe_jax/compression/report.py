@@ -15,10 +15,11 @@ the premasked positions are reconstructed poorly.
 
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
+
+from qmoe_jax import strict_json
 
 DICTIONARY_BYTES = 65536 * 2 * 4
 
@@ -154,7 +155,7 @@ def summary_table(report: dict) -> str:
 def write_report(report: dict, directory: str) -> None:
     """Writes report.json and report.png (per-layer zero fraction and bits per weight)."""
     with open(os.path.join(directory, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
+        strict_json.dump(report, f, what="report.json", indent=1)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -15,9 +15,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmoe_jax.checkpoints import T5XCheckpoint, open_t5x_checkpoint, path_shapes
+from qmoe_jax.checkpoints import (
+    ShapeMismatchError,
+    T5XCheckpoint,
+    open_t5x_checkpoint,
+    path_shapes,
+)
 from qmoe_jax.checkpoints.format_v1 import MANIFEST
 from qmoe_jax.checkpoints.mapped_layout import CONVERT, is_mapped_checkpoint
+from qmoe_jax.cli import finite_float
 from qmoe_jax.data import bundled
 from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.inference.mapped_params import (
@@ -26,23 +32,46 @@ from qmoe_jax.inference.mapped_params import (
     ExpertResidency,
     load_mapped_model,
 )
+from qmoe_jax.inference.model_directory import refuse_non_model
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
 def load_t5x_params(path: str | T5XCheckpoint, config: SwitchConfig, dtype=jnp.float32) -> dict:
     """All parameters of a T5X checkpoint, shape-checked against ``config``, cast to ``dtype``."""
     checkpoint = open_t5x_checkpoint(path) if isinstance(path, str) else path
-    checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
+    check_config(checkpoint, config)
     params = checkpoint.read_params(checkpoint.keys())
     return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
 
 
+def fitting_configs(checkpoint: T5XCheckpoint) -> list[str]:
+    """The registered configs whose parameter shapes the checkpoint has."""
+    found = {path: info.shape for path, info in checkpoint.spec().items()}
+    return [name for name in config_names() if path_shapes(param_shapes(get_config(name))) == found]
+
+
+def check_config(checkpoint: T5XCheckpoint, config: SwitchConfig) -> None:
+    """Raises ``ShapeMismatchError``, in one line that names the registered config that fits the
+    checkpoint (if one does), unless the checkpoint holds exactly ``config``'s shapes."""
+    try:
+        checkpoint.check_shapes(path_shapes(param_shapes(config)), config_name=config.name)
+    except ShapeMismatchError as error:
+        fits = fitting_configs(checkpoint)
+        if len(fits) == 1:
+            advice = (
+                f"its shapes fit the config {fits[0]}: pass --config {fits[0]}, or leave --config "
+                "out to infer it"
+            )
+        elif fits:
+            advice = f"its shapes fit the configs {', '.join(fits)}: pass one with --config"
+        else:
+            advice = "no registered config fits its shapes"
+        raise ShapeMismatchError(f"{error}; {advice}") from None
+
+
 def infer_config(checkpoint: T5XCheckpoint) -> SwitchConfig:
     """The one registered config whose parameter shapes the checkpoint has."""
-    found = {path: info.shape for path, info in checkpoint.spec().items()}
-    matches = [
-        name for name in config_names() if path_shapes(param_shapes(get_config(name))) == found
-    ]
+    matches = fitting_configs(checkpoint)
     if len(matches) != 1:
         raise ValueError(
             f"cannot infer the model config of {checkpoint.url}: {len(matches)} known configs "
@@ -128,6 +157,7 @@ def open_model(
             "mapped",
             residency=mapped.residency,
         )
+    refuse_non_model(path)
     if experts == "mapped":
         raise ValueError(
             f"--experts mapped needs a mapped checkpoint, and {path} is not one; convert a "
@@ -198,7 +228,7 @@ def add_model_arguments(parser) -> None:
     )
     parser.add_argument(
         "--expert_cache_gb",
-        type=float,
+        type=finite_float,
         default=DEFAULT_EXPERT_CACHE_GB,
         help="mapped experts: mapped expert pages kept resident at most, in GiB (default: "
         f"{DEFAULT_EXPERT_CACHE_GB:g}); the least recently routed are released first",

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import dataclasses
 import logging
+import math
 import mmap
 import time
 from collections.abc import Iterator
@@ -76,8 +77,8 @@ class ExpertResidency:
     ):
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {', '.join(VERIFY_MODES)}, got {verify!r}")
-        if not expert_cache_gb > 0:
-            raise ValueError(f"expert_cache_gb must be positive, got {expert_cache_gb}")
+        if not 0 < expert_cache_gb < math.inf:
+            raise ValueError(f"expert_cache_gb must be positive and finite, got {expert_cache_gb}")
         self.layers = layers
         self.verify = verify
         self.budget_bytes = int(expert_cache_gb * 2**30)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -55,14 +56,16 @@ class DecodingConfig:
             )
         if self.max_decode_length < 1:
             raise ValueError(f"max_decode_length must be at least 1, got {self.max_decode_length}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be positive, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:
+            raise ValueError(f"temperature must be positive and finite, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be 0 (off) or positive, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.beam_size < 1:
             raise ValueError(f"beam_size must be at least 1, got {self.beam_size}")
+        if not math.isfinite(self.alpha):
+            raise ValueError(f"alpha must be a finite number, got {self.alpha}")
 
 
 @dataclasses.dataclass(frozen=True)

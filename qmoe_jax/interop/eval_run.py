@@ -17,13 +17,13 @@ a second run out while one writes.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import time
 
 import numpy as np
 
+from qmoe_jax import strict_json
 from qmoe_jax.checkpoints import ShapeMismatchError
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
@@ -189,7 +189,7 @@ def _append_line(path: str, record: dict) -> None:
     if os.path.exists(path):
         with open(path, encoding="utf-8") as f:
             previous = f.read()
-    _write_atomic(path, previous + json.dumps(record) + "\n")
+    _write_atomic(path, previous + strict_json.dumps(record, what=path) + "\n")
 
 
 def _finite(value: float, what: str, checkpoint: str) -> float:
@@ -294,7 +294,8 @@ def run_evaluation(
         manifest = os.path.join(output_dir, MANIFEST)
         if not os.path.exists(manifest):
             _write_atomic(
-                manifest, json.dumps({"format": EVAL_OUTPUT.marker, "format_version": 1}) + "\n"
+                manifest,
+                strict_json.dumps({"format": EVAL_OUTPUT.marker, "format_version": 1}) + "\n",
             )
         _write_atomic(os.path.join(output_dir, "config.gin"), config_text)
         os.makedirs(os.path.join(output_dir, INFERENCE_DIR), exist_ok=True)
@@ -311,13 +312,17 @@ def run_evaluation(
             )
             base = os.path.join(output_dir, INFERENCE_DIR, task.name)
             _write_atomic(
-                f"{base}-{step:06d}.jsonl", "".join(json.dumps(r) + "\n" for r in records)
+                f"{base}-{step:06d}.jsonl",
+                "".join(
+                    strict_json.dumps(r, what=f"an inference of {task.name}") + "\n"
+                    for r in records
+                ),
             )
             line = {"step": step, **metrics}
             _append_line(f"{base}-metrics.jsonl", line)
             results[task.name] = line
             log(
-                json.dumps(
+                strict_json.dumps(
                     {
                         "task": task.name,
                         **line,

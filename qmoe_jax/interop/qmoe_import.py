@@ -35,6 +35,7 @@ from qmoe_jax.checkpoints.format_v1 import (
     CompressedCheckpointError,
     CompressedCheckpointWriter,
 )
+from qmoe_jax.checkpoints.manifest_rebuild import rebuild_lost_manifest
 from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.checkpoints.shapes import path_shapes
 from qmoe_jax.codec.dictionary import DEFAULT_P0, build_dictionary
@@ -207,6 +208,9 @@ def import_qmoe(
     writer = None
     try:
         with claimed(output_dir, COMPRESSED_OUTPUT):
+            rebuilt = rebuild_lost_manifest(output_dir)
+            if rebuilt:
+                log(rebuilt)
             writer = CompressedCheckpointWriter(
                 output_dir,
                 header,

@@ -15,13 +15,13 @@ checkpoint's (``interop.steps.checkpoint_step``).
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qmoe_jax import strict_json
 from qmoe_jax.checkpoints import write_t5x_checkpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
 from qmoe_jax.checkpoints.writer import FORMATS
@@ -63,7 +63,7 @@ def export_t5x(checkpoint: str, output_dir: str, format: str = "legacy", log=pri
             "config": model.config.to_dict(),
         }
         with open(os.path.join(directory, MANIFEST + ".tmp"), "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
+            strict_json.dump(manifest, f, what=MANIFEST, indent=1, sort_keys=True)
         os.replace(os.path.join(directory, MANIFEST + ".tmp"), os.path.join(directory, MANIFEST))
         log(f"writing {target} ({format}, bfloat16)")
         written = write_t5x_checkpoint(directory, params, step, format=format, dtype="bfloat16")

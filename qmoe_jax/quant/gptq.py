@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -121,9 +122,10 @@ class GPTQConfig:
                 f"GPTQConfig.sub_block_size must divide block_size={self.block_size}, "
                 f"got {self.sub_block_size!r}"
             )
-        if not self.damping > 0:
+        if not 0 < self.damping < math.inf:
             raise ValueError(
-                f"GPTQConfig.damping must be > 0 (relative to mean diag(H)), got {self.damping!r}"
+                "GPTQConfig.damping must be > 0 and finite (relative to mean diag(H)), got "
+                f"{self.damping!r}"
             )
 
     @property

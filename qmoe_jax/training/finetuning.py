@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import resource
 import time
@@ -42,6 +43,7 @@ from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
 from qmoe_jax.inference.strategies import DecodingConfig, generate
 from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.models.lora import LORA, init_adapter
+from qmoe_jax.strict_json import nonfinite_paths
 from qmoe_jax.training import save_finetuned
 from qmoe_jax.training.metrics import plot_metrics
 from qmoe_jax.training.pretrain import moe_aux_losses
@@ -141,6 +143,9 @@ class FinetuneOptions:
                 f"--warmup_steps must be between 0 and --steps ({self.steps}), got "
                 f"{self.warmup_steps}"
             )
+        for name in ("learning_rate", "final_learning_rate_fraction", "weight_decay", "clip_norm"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"--{name} must be a finite number, got {getattr(self, name)}")
         if self.learning_rate <= 0 or self.clip_norm <= 0:
             raise ValueError("--learning_rate and --clip_norm must be positive")
 
@@ -423,6 +428,20 @@ def finetune(
     return summary
 
 
+def _require_finite_metrics(record: dict, run: RunDirectory) -> None:
+    """Raises ``ValueError`` when a metric of ``record`` is NaN or infinite: the run stops there,
+    before the record or a checkpoint of its parameters is written."""
+    bad = [key for key, value in record.items() if nonfinite_paths(value)]
+    if bad:
+        kept = run.latest_step()
+        raise ValueError(
+            f"at step {record['step']} the {', '.join(bad)} is {record[bad[0]]}: the training "
+            "diverged (or the model's parameters hold NaN or infinite values), so the run stops "
+            f"without recording it{f' (its checkpoint of step {kept} stays)' if kept else ''}; "
+            "re-run into a new --output_dir with a lower --learning_rate or --clip_norm"
+        )
+
+
 def _train(
     options: FinetuneOptions,
     module,
@@ -458,6 +477,7 @@ def _train(
         record.update(
             evaluate(module, eval_step, trainable, frozen, eval_batches, task.generative, placed)
         )
+        _require_finite_metrics(record, run)
         run.append_metrics(record)
         records.append(record)
         plot_metrics(
@@ -486,6 +506,7 @@ def _train(
             trainable, opt_state, frozen, placed_steps(stacked), jax.random.fold_in(rng, step)
         )
         metrics = {k: float(v) for k, v in metrics.items()}
+        _require_finite_metrics({"step": step + 1, **metrics}, run)
         step_seconds.append(time.perf_counter() - started)
         for key, value in metrics.items():
             running[key] = running.get(key, 0.0) + value

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from qmoe_jax import strict_json
 from qmoe_jax.data.batches import batch_examples
 from qmoe_jax.data.span_corruption import span_corrupt
 from qmoe_jax.inference.evaluation import (
@@ -144,7 +145,7 @@ def save_snapshot(path: str, step: int, params, opt_state, history: list[dict]) 
         f.write(payload)
     os.replace(temporary, path)
     with open(path + ".history.json.tmp", "w") as f:
-        json.dump(history, f)
+        strict_json.dump(history, f, what="the training history")
     os.replace(path + ".history.json.tmp", path + ".history.json")
 
 
@@ -215,7 +216,7 @@ def train(
             )
             history.append(record)
             running, running_steps = {}, 0
-            log(json.dumps(record))
+            log(strict_json.dumps(record, what="a training record"))
         if done % config.snapshot_every == 0 or done == config.steps:
             save_snapshot(snapshot_path, done, params, opt_state, history)
     return params, history

@@ -26,6 +26,7 @@ import shutil
 
 import orbax.checkpoint as ocp
 
+from qmoe_jax import strict_json
 from qmoe_jax.checkpoints.format_v1 import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
 
@@ -128,13 +129,13 @@ class RunDirectory:
         kept = [record for record in records if record["step"] <= up_to_step]
         temporary = path + ".tmp"
         with open(temporary, "w") as f:
-            f.writelines(json.dumps(record) + "\n" for record in kept)
+            f.writelines(strict_json.dumps(record, what=METRICS) + "\n" for record in kept)
         os.replace(temporary, path)
         return kept
 
     def append_metrics(self, record: dict) -> None:
         with open(self.path(METRICS), "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json.dumps(record, what=METRICS) + "\n")
             f.flush()
             os.fsync(f.fileno())
 

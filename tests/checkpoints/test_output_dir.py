@@ -3,7 +3,11 @@ import os
 
 import pytest
 
-from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
+from qmoe_jax.checkpoints.format_v1 import (
+    COMPRESSED_OUTPUT,
+    CompressedCheckpointError,
+    CompressedCheckpointWriter,
+)
 from qmoe_jax.checkpoints.output_dir import (
     LOCK_FILE,
     OutputDirectoryError,
@@ -84,3 +88,18 @@ def test_writer_deletes_only_its_own_leftovers(tmp_path):
     CompressedCheckpointWriter(str(tmp_path), HEADER)
     assert sorted(os.listdir(tmp_path / "layers")) == ["notes"]
     assert os.listdir(tmp_path / "dictionaries") == ["README"]
+
+
+def test_a_compressed_checkpoint_that_lost_its_manifest_is_recognized_by_its_names(tmp_path):
+    layer = tmp_path / "layers" / "encoder.layers_1.mlp"
+    layer.mkdir(parents=True)
+    (layer / "layer.json").write_text("{}")
+    (tmp_path / "dense").mkdir()
+    (tmp_path / "report.json").write_text("{}")
+    check_writable(str(tmp_path), COMPRESSED_OUTPUT)
+    with pytest.raises(CompressedCheckpointError, match=r"manifest\.json is missing; rebuild it"):
+        CompressedCheckpointWriter(str(tmp_path), HEADER)  # never starts over on top of it
+    assert (layer / "layer.json").read_text() == "{}"
+    (tmp_path / "layers" / "notes").mkdir()  # something the writer does not write
+    with pytest.raises(OutputDirectoryError, match="not empty"):
+        check_writable(str(tmp_path), COMPRESSED_OUTPUT)
