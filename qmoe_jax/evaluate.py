@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference import (

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
 from qmoe_jax.training import FinetuneOptions, finetune
 from qmoe_jax.training.finetuning import ACTIVATIONS

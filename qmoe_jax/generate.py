@@ -25,7 +25,7 @@ import json
 import sys
 import time
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference import add_model_arguments, open_model_from_args

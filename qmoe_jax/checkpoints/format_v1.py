@@ -51,7 +51,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.checkpoints.output_dir import (
     LOCK_FILE,
     MANIFEST,

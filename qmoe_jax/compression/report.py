@@ -19,7 +19,7 @@ import os
 
 import numpy as np
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 
 DICTIONARY_BYTES = 65536 * 2 * 4
 

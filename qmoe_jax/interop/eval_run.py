@@ -23,8 +23,7 @@ import time
 
 import numpy as np
 
-from qmoe_jax import strict_json
-from qmoe_jax.checkpoints import ShapeMismatchError
+from qmoe_jax.checkpoints import ShapeMismatchError, strict_json
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
 from qmoe_jax.data import Tokenizer, bundled

@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmoe_jax import strict_json
-from qmoe_jax.checkpoints import write_t5x_checkpoint
+from qmoe_jax.checkpoints import strict_json, write_t5x_checkpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
 from qmoe_jax.checkpoints.writer import FORMATS
 from qmoe_jax.inference.compressed_params import load_compressed_model

@@ -36,6 +36,7 @@ from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.format_v1 import MANIFEST
 from qmoe_jax.checkpoints.output_dir import claimed
+from qmoe_jax.checkpoints.strict_json import nonfinite_paths
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference.evaluation import model_inputs, padded_batches, token_cross_entropy
@@ -43,7 +44,6 @@ from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
 from qmoe_jax.inference.strategies import DecodingConfig, generate
 from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.models.lora import LORA, init_adapter
-from qmoe_jax.strict_json import nonfinite_paths
 from qmoe_jax.training import save_finetuned
 from qmoe_jax.training.metrics import plot_metrics
 from qmoe_jax.training.pretrain import moe_aux_losses

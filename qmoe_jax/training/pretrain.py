@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.data.batches import batch_examples
 from qmoe_jax.data.span_corruption import span_corrupt
 from qmoe_jax.inference.evaluation import (

@@ -26,7 +26,7 @@ import shutil
 
 import orbax.checkpoint as ocp
 
-from qmoe_jax import strict_json
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.checkpoints.format_v1 import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
 
