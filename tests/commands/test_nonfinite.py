@@ -11,10 +11,10 @@ import re
 import jax
 import numpy as np
 import pytest
-from helpers.switch_fixtures import write_tiny_compressed
 
 import qmoe_jax
-from qmoe_jax import compress, evaluate, finetune, generate, strict_json
+from qmoe_jax import compress, evaluate, finetune, generate
+from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.compression.job import CompressionOptions
 from qmoe_jax.inference.strategies import DecodingConfig
 from qmoe_jax.training import FinetuneOptions
@@ -194,10 +194,10 @@ def test_what_the_main_job_evaluate_and_generate_write_is_strict_json(compressed
 
 
 @pytest.fixture(scope="module")
-def finetune_task(tmp_path_factory, tiny_tokenizer):
+def finetune_task(tmp_path_factory, compressed_tiny, tiny_tokenizer):
     """(compressed tiny model, jsonl task, tokenizer path)."""
     root = tmp_path_factory.mktemp("nonfinite_finetune")
-    _, compressed = write_tiny_compressed(root, tiny_tokenizer.model_path)
+    compressed = compressed_tiny[1]
     lines = [
         json.dumps({"inputs": f"first word: {word} and more", "targets": word})
         for word in ["the", "small", "model", "reads", "every", "layer"] * 8
