@@ -1,6 +1,8 @@
 // CPU handler of "qmoe_dense_matmul" (contract in cpu_dense.h): validation,
 // then tiles of R rows x T tokens, each weight converted once per tile in
-// registers and multiplied into R*T float32 accumulators.
+// registers and multiplied into R*T float32 accumulators. Conversions per 8
+// weights: int8 a sign-extending load and a convert; bfloat16 half a load and
+// one bit operation (pair tiles), against float32's load alone.
 #include "cpu_dense.h"
 
 #include <immintrin.h>
@@ -11,6 +13,8 @@
 #include <cstring>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <vector>
 
 #include "cpu_operands.h"
 #include "cpu_parallel.h"
@@ -111,15 +115,63 @@ QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* o
   }
 }
 
+// bfloat16 weights, cols a multiple of 16: each 32-bit lane of a load holds a pair of weights,
+// (j, j + 1), and two bit operations make float32 vectors of the even and of the odd weights
+// with no shuffle. The tokens come split the same way: `x_pairs` holds x[t, 0::2] then
+// x[t, 1::2] per token. R * T accumulators, 2 * T loads of x, two weight vectors and the mask:
+// at most 16 registers.
+template <int R, int T>
+QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int64_t cols,
+                                   float* out) {
+  static_assert(R * T + 2 * T + 3 <= 16, "the tile must fit the 16 vector registers");
+  const int64_t half = cols / 2;
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m256 sums[T][R];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) sums[t][r] = _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < half; j += 8) {
+    __m256 even[T], odd[T];
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      even[t] = _mm256_loadu_ps(x_pairs + t * cols + j);
+      odd[t] = _mm256_loadu_ps(x_pairs + t * cols + half + j);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m256i pairs =
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * cols + 2 * j));
+      const __m256 low_weights = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      const __m256 high_weights = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
+#pragma GCC unroll 16
+      for (int t = 0; t < T; ++t) {
+        sums[t][r] = _mm256_fmadd_ps(low_weights, even[t], sums[t][r]);
+        sums[t][r] = _mm256_fmadd_ps(high_weights, odd[t], sums[t][r]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) out[t * R + r] = Sum8(sums[t][r]);
+  }
+}
+
 struct Problem {
-  const float* x;       // [tokens, cols]
-  const void* w;        // [rows, cols]
-  const float* scales;  // [rows] or null
-  float* y;             // [tokens, rows]
+  const float* x;        // [tokens, cols]
+  const float* x_pairs;  // [tokens, cols] split into even and odd columns, or null
+  const void* w;         // [rows, cols]
+  const float* scales;   // [rows] or null
+  float* y;              // [tokens, rows]
   int64_t tokens;
   int64_t rows;
   int64_t cols;
 };
+
+// The bfloat16 pair tiles apply (AVX2 code, a split copy of x made).
+inline bool UsesPairs(const Problem& p) { return p.x_pairs != nullptr; }
 
 // Rows [r0, r1) times tokens [t0, t1) of the product, with tiles of R rows and
 // T tokens (the rows left over one at a time).
@@ -130,7 +182,13 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
   float out[T * R];
   int64_t r = r0;
   for (; r + R <= r1; r += R) {
-    if constexpr (kAvx2) {
+    if constexpr (kAvx2 && std::is_same_v<W, uint16_t> && R * T + 2 * T + 3 <= 16) {
+      if (UsesPairs(p)) {
+        TileAvx2Pairs<R, T>(w + r * p.cols, p.x_pairs + t * p.cols, p.cols, out);
+      } else {
+        TileAvx2<W, R, T>(w + r * p.cols, x, p.cols, out);
+      }
+    } else if constexpr (kAvx2) {
       TileAvx2<W, R, T>(w + r * p.cols, x, p.cols, out);
     } else {
       TilePortable<W, R, T>(w + r * p.cols, x, p.cols, out);
@@ -143,7 +201,13 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
     }
   }
   for (; r < r1; ++r) {
-    if constexpr (kAvx2) {
+    if constexpr (kAvx2 && std::is_same_v<W, uint16_t>) {
+      if (UsesPairs(p)) {
+        TileAvx2Pairs<1, T>(w + r * p.cols, p.x_pairs + t * p.cols, p.cols, out);
+      } else {
+        TileAvx2<W, 1, T>(w + r * p.cols, x, p.cols, out);
+      }
+    } else if constexpr (kAvx2) {
       TileAvx2<W, 1, T>(w + r * p.cols, x, p.cols, out);
     } else {
       TilePortable<W, 1, T>(w + r * p.cols, x, p.cols, out);
@@ -159,6 +223,9 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
 template <typename W, bool kAvx2>
 void Block(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1) {
   int64_t t = t0;
+  if (UsesPairs(p)) {  // two tokens at a time: the split tokens take twice the registers
+    for (; t + 2 <= t1; t += 2) TokenGroup<W, kAvx2, 4, 2>(p, r0, r1, t);
+  }
   for (; t + 3 <= t1; t += 3) TokenGroup<W, kAvx2, 4, 3>(p, r0, r1, t);
   if (t1 - t == 2) TokenGroup<W, kAvx2, 4, 2>(p, r0, r1, t);
   if (t1 - t == 1) TokenGroup<W, kAvx2, 8, 1>(p, r0, r1, t);
@@ -246,7 +313,22 @@ ffi::Error DenseMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   bool avx2 = false;
   if (auto error = SelectDenseIsa(&avx2); error.failure()) return error;
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
+  // bfloat16 rows of whole 16-column steps take the pair tiles, with x split into its even and
+  // odd columns once per call.
+  std::vector<float> x_pairs;
+  if (!int8 && avx2 && cols % 16 == 0) {
+    x_pairs.resize(tokens * cols);
+    const float* source = x.typed_data();
+    for (int64_t t = 0; t < tokens; ++t) {
+      float* split = x_pairs.data() + t * cols;
+      for (int64_t j = 0; j < cols / 2; ++j) {
+        split[j] = source[t * cols + 2 * j];
+        split[cols / 2 + j] = source[t * cols + 2 * j + 1];
+      }
+    }
+  }
   const Problem problem{x.typed_data(),
+                        x_pairs.empty() ? nullptr : x_pairs.data(),
                         w.untyped_data(),
                         int8 ? scales.typed_data() : nullptr,
                         y->typed_data(),
