@@ -1,22 +1,37 @@
-"""Inference speed and memory: compressed experts (fused kernels) against the dequantized dense
-model.
+"""Inference speed as llama-bench measures it: prefill and decode tokens/s, bytes per decoded
+token, and the memory-bandwidth bound, for each form of each model.
 
-For each model, each form runs in its own process (so that its peak RSS is its
-own), on the same checkpoint and the same random tokens:
+Forms ("<experts> <dense storage>"):
 
-  compressed     ternary experts through the fused kernels, float32 activations; only the
-                 experts that received tokens, and only their slots in use, are computed
-  dense f32      the same experts dequantized to float32; a call of up to 16 tokens gathers
-                 each token's own expert kernels (the faster dense path when decoding)
-  dense f32 t5x  the same in T5X's layout: every expert multiplies every capacity slot
-  dense bf16     dequantized to bfloat16, bfloat16 activations (slow on XLA:CPU)
+  compressed f32    ternary experts through the fused kernels; dense parameters float32
+  compressed bf16   the same, dense matrices and embedding stored bfloat16 (--dense_dtype)
+  compressed int8   the same, dense matrices and embedding stored int8 with per-channel scales
+  dense f32         the experts dequantized to float32 (a decoding step gathers each token's
+                    own expert), dense parameters float32: the uncompressed baseline
+  dense bf16, dense int8   dequantized experts with packed dense parameters (not by default)
 
-and measures teacher-forced evaluation (target tokens/s, batch 8), greedy
-decoding tokens/s at batch 1 and batch 8, and the process's peak RSS. Each
-timing is the median of --repeats runs after one compiling run. "experts
-share" is the part of a batch-1 decoding step spent in the expert layers: the
-same step with an expert layer that does no work (routing, dispatch and
-combine still run) is timed beside it.
+Measures, greedy decoding at batch 1 from a random prompt of --prompt_length tokens:
+
+  prefill tok/s     encoder tokens per second over one --prefill_length prompt (batch 1)
+  decode tok/s      1 / (time per decoded token), where time per decoded token =
+                    (time to generate 33 tokens - time to generate 1) / 32, so that the
+                    encoder, the cache set-up and dispatch are not in it
+  MB/token          the bytes a decoded token reads, from the loaded parameter tree in its
+                    stored dtypes: the decoder's parameters except the cross-attention key and
+                    value kernels (applied once per sequence, to the encoder outputs), the
+                    output embedding (tied logits; or logits_dense), one routed expert per
+                    sparse decoder layer (compressed: the mean expert's codes, row offsets and
+                    row grid), and the KV cache at its mean length
+  bound ms          MB/token / the copy bandwidth measured in the same run, beside every round
+                    (benchmarks/machine.py: every core copying, read + write bytes)
+  of bound          bound ms / measured ms per token
+
+Each form of a model lives in its own child process for the whole run (so that its peak RSS is
+its own), and the driver asks them for one measurement each in turn, round after round: on a
+loaded machine the ratios of one round hold even where absolute times do not. Reported: the
+median over rounds, and each form's decode speed against "dense f32" as the median of its
+per-round ratios. The load average is recorded with every round; timings taken on a loaded
+machine are not measurements of the machine.
 
 Models:
   bundled            the main job's output (runs/compressed/switch-mini-8; made if missing)
@@ -29,7 +44,8 @@ zero fraction (P(0) = 0.885, static dictionary) and random dense weights,
 without a dense source model: their outputs are meaningless, their cost is
 real. They are written once into --work_dir and reused.
 
-    python benchmarks/inference.py                       # all three models
+    python benchmarks/inference.py                              # all three models
+    python benchmarks/inference.py --models base-shaped --rounds 7
     python benchmarks/inference.py --models bundled --quick
 """
 
@@ -37,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import os
 import statistics
@@ -46,10 +61,21 @@ import sys
 import time
 
 import numpy as np
-from common import REPO, cpu_model, result_path, work_dir, write_result
+from common import REPO, cpu_model, memory_bandwidth, result_path, work_dir, write_result
 
 MODELS = ("bundled", "base-shaped", "base128-shaped")
-FORMS = ("compressed", "dense f32", "dense f32 t5x", "dense bf16")
+FORMS = (
+    "compressed f32",
+    "compressed bf16",
+    "compressed int8",
+    "dense f32",
+    "dense bf16",
+    "dense int8",
+)
+DEFAULT_FORMS = ("compressed f32", "compressed bf16", "compressed int8", "dense f32")
+BASELINE = "dense f32"
+DENSE_DTYPES = {"f32": "float32", "bf16": "bfloat16", "int8": "int8"}
+DECODED = 32  # time per token = (time for DECODED + 1 tokens - time for 1) / DECODED
 # Runs argv[1:] and reports its peak RSS; being small, its own size at fork barely counts.
 PEAK_WRAPPER = (
     "import resource, subprocess, sys\n"
@@ -157,135 +183,256 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
 # ---------------------------------------------------------------- one form, in a child process
 
 
-def expert_share_module(module):
-    """The same model with expert layers that return zeros (routing, dispatch and combine still
-    run)."""
-    import flax.linen as nn
-    import jax.numpy as jnp
-
-    from qmoe_jax.models import SwitchTransformer
-
-    class IdleExperts(nn.Module):
-        config: object
-
-        @nn.compact
-        def __call__(self, expert_inputs, counts=None, *, enable_dropout: bool = False):
-            return jnp.zeros_like(expert_inputs)
-
-    return SwitchTransformer(module.config, experts_cls=IdleExperts)
-
-
-def measure(
-    path: str,
-    form: str,
-    repeats: int,
-    decode_length: int,
-    eval_batches: int,
-    batch_sizes: list[int],
-) -> dict:
+def _tree_bytes(tree) -> int:
     import jax
-    import jax.numpy as jnp
 
-    from qmoe_jax.inference import make_eval_step, open_model
-    from qmoe_jax.inference.strategies import DecodingConfig, generate
-    from qmoe_jax.models import MlpExperts, SwitchTransformer
+    return sum(int(np.asarray(leaf).nbytes) for leaf in jax.tree.leaves(tree))
 
-    dtype = jnp.bfloat16 if form == "dense bf16" else jnp.float32
-    started = time.perf_counter()
-    model = open_model(
-        path,
-        experts="compressed" if form == "compressed" else "dense",
-        dtype=dtype,
-        expert_parallel="off",
-    )
-    jax.block_until_ready(model.params)
-    if form == "dense f32 t5x":
-        model = dataclasses.replace(
-            model,
-            module=SwitchTransformer(
-                model.config, experts_cls=functools.partial(MlpExperts, gather_tokens=0)
-            ),
+
+def _expert_bytes(stack, num_experts: int) -> float:
+    """Bytes one expert of a stack reads: a dense kernel's slice, or a compressed expert's codes in
+    use (its row offsets' last entry), row offsets and row grid, averaged over the experts."""
+    from qmoe_jax.codec import CompressedExperts
+
+    if not isinstance(stack, CompressedExperts):
+        return np.asarray(stack).nbytes / num_experts
+    offsets = np.asarray(stack.row_offsets)
+    codes = offsets[:, -1].astype(np.float64) * np.asarray(stack.codes).itemsize
+    per_expert = codes + offsets[0].nbytes + np.asarray(stack.minmax)[0].nbytes
+    return float(per_expert.mean())
+
+
+def decoded_token_bytes(params, config, prompt_length: int, cache_length: int) -> dict:
+    """What one greedy decoding step reads, in bytes, from the parameter tree as loaded."""
+    from qmoe_jax.kernels.dense import PackedMatrix
+
+    is_leaf = lambda leaf: isinstance(leaf, PackedMatrix)  # noqa: E731
+
+    def nbytes(tree) -> int:
+        import jax
+
+        leaves = jax.tree.leaves(tree, is_leaf=is_leaf)
+        return sum(
+            leaf.nbytes if isinstance(leaf, PackedMatrix) else int(np.asarray(leaf).nbytes)
+            for leaf in leaves
         )
-    result = {"load_seconds": time.perf_counter() - started}
-    vocab = model.config.vocab_size
-    rng = np.random.default_rng(0)
 
-    def median_seconds(run) -> float:
-        jax.block_until_ready(run())  # compiles
-        times = []
-        for _ in range(repeats):
+    decoder_dense = experts = 0.0
+    for layer_name, layer in params["decoder"].items():
+        if not layer_name.startswith("layers_"):
+            decoder_dense += nbytes(layer)
+            continue
+        for part, value in layer.items():
+            if part == "encoder_decoder_attention":
+                decoder_dense += nbytes(value["query"]) + nbytes(value["out"])
+            elif part == "mlp" and "expert" in value:
+                decoder_dense += nbytes({k: v for k, v in value.items() if k != "expert"})
+                for kernel, stack in value["expert"].items():
+                    if kernel == "lora":
+                        experts += nbytes(stack) / config.num_experts
+                    else:
+                        stack = stack["kernel"] if isinstance(stack, dict) else stack
+                        experts += _expert_bytes(stack, config.num_experts)
+            else:
+                decoder_dense += nbytes(value)
+    embedding = 0 if config.logits_dense else nbytes(params["token_embedder"])
+    width = config.num_heads * config.d_kv * 4  # float32 keys or values of one position
+    mean_cache = (cache_length + 1) / 2
+    cache = config.num_decoder_layers * 2 * width * (prompt_length + mean_cache)
+    return {
+        "decoder_dense_bytes": decoder_dense,
+        "embedding_bytes": embedding,
+        "experts_bytes": experts,
+        "kv_cache_bytes": cache,
+        "total_bytes": decoder_dense + embedding + experts + cache,
+    }
+
+
+class FormRunner:
+    """One form of one model, loaded and compiled; ``round()`` measures once."""
+
+    def __init__(self, path: str, form: str, args):
+        import jax
+
+        from qmoe_jax.inference import open_model
+
+        experts, dense = form.split()
+        started = time.perf_counter()
+        self.model = open_model(
+            path,
+            experts=experts,
+            dense_dtype=DENSE_DTYPES[dense],
+            expert_parallel="off",
+        )
+        jax.block_until_ready(self.model.params)
+        self.load_seconds = time.perf_counter() - started
+        rng = np.random.default_rng(0)
+        vocab = self.model.config.vocab_size
+        self.prompt = rng.integers(3, vocab - 100, (1, args.prompt_length)).astype(np.int32)
+        self.prefill = rng.integers(3, vocab - 100, (1, args.prefill_length)).astype(np.int32)
+        self.repeats = args.repeats
+        self.info = {
+            "load_seconds": self.load_seconds,
+            "params_bytes": _tree_bytes(self.model.params),
+            **decoded_token_bytes(
+                self.model.params, self.model.config, args.prompt_length, DECODED + 1
+            ),
+        }
+        started = time.perf_counter()
+        self.round()  # compiles every program
+        self.info["compile_seconds"] = time.perf_counter() - started
+
+    def _best(self, run) -> float:
+        import jax
+
+        best = float("inf")
+        for _ in range(self.repeats):
             begin = time.perf_counter()
             jax.block_until_ready(run())
-            times.append(time.perf_counter() - begin)
-        return statistics.median(times)
+            best = min(best, time.perf_counter() - begin)
+        return best
 
-    batch = {
-        "encoder_input_tokens": rng.integers(3, vocab - 100, (8, 128)).astype(np.int32),
-        "decoder_target_tokens": rng.integers(3, vocab - 100, (8, 32)).astype(np.int32),
-    }
-    batch["decoder_input_tokens"] = np.pad(batch["decoder_target_tokens"][:, :-1], ((0, 0), (1, 0)))
-    batch["decoder_loss_weights"] = np.ones((8, 32), np.float32)
-    eval_step = make_eval_step(model.module)
-    seconds = median_seconds(lambda: [eval_step(model.params, batch) for _ in range(eval_batches)])
-    result["eval_target_tokens_per_second"] = eval_batches * 8 * 32 / seconds
-    config = DecodingConfig(max_decode_length=decode_length, eos_id=-1)
-    for size in batch_sizes:
-        prompts = rng.integers(3, vocab - 100, (size, 32)).astype(np.int32)
-        seconds = median_seconds(
-            lambda prompts=prompts: generate(model.module, model.params, prompts, config).tokens
+    def _generate(self, length: int):
+        from qmoe_jax.inference.strategies import DecodingConfig, generate
+
+        config = DecodingConfig(max_decode_length=length, eos_id=-1)
+        return generate(self.model.module, self.model.params, self.prompt, config).tokens
+
+    def round(self) -> dict:
+        model = self.model
+        prefill = self._best(
+            lambda: model.module.apply({"params": model.params}, self.prefill, method="encode")
         )
-        result[f"greedy_b{size}_tokens_per_second"] = size * decode_length / seconds
-        if size == 1:
-            idle = expert_share_module(model.module)
-            idle_seconds = median_seconds(
-                lambda idle=idle, prompts=prompts: (
-                    generate(idle, model.params, prompts, config).tokens
-                )
-            )
-            result["greedy_b1_experts_share"] = max(0.0, 1.0 - idle_seconds / seconds)
-    return result
-
-
-def run_child(path: str, form: str, args) -> dict:
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        path,
-        "--form",
-        form,
-        "--repeats",
-        str(args.repeats),
-        "--decode_length",
-        str(args.decode_length),
-        "--eval_batches",
-        str(args.eval_batches),
-        "--batch_sizes",
-        *map(str, args.batch_sizes),
-    ]
-    completed = subprocess.run(
-        [sys.executable, "-c", PEAK_WRAPPER, *command], capture_output=True, text=True, cwd=REPO
-    )
-    lines = completed.stdout.splitlines()
-    peak = next((int(line.split()[1]) for line in lines if line.startswith("qmoe-peak-rss ")), 0)
-    if completed.returncode != 0:
+        one = self._best(lambda: self._generate(1))
+        many = self._best(lambda: self._generate(DECODED + 1))
         return {
-            "error": (completed.stderr or completed.stdout)[-1500:],
-            "peak_rss_gib": peak / 2**30,
+            "prefill_seconds": prefill,
+            "prefill_tokens_per_second": self.prefill.size / prefill,
+            "first_token_seconds": one,
+            "decode_seconds_per_token": (many - one) / DECODED,
+            "load_average": os.getloadavg()[0],
         }
-    result = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
-    return result | {"peak_rss_gib": peak / 2**30}
+
+
+def serve(path: str, form: str, args) -> None:
+    """The child's loop: load, report, then one JSON line per "round" line on stdin."""
+    runner = FormRunner(path, form, args)
+    print(json.dumps({"ready": runner.info}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "round":
+            break
+        print(json.dumps(runner.round()), flush=True)
+
+
+class Child:
+    """A form's child process (under the peak-RSS wrapper), driven over its stdin and stdout."""
+
+    def __init__(self, path: str, form: str, args):
+        self.form = form
+        command = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--child",
+            path,
+            "--form",
+            form,
+            "--repeats",
+            str(args.repeats),
+            "--prompt_length",
+            str(args.prompt_length),
+            "--prefill_length",
+            str(args.prefill_length),
+        ]
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", PEAK_WRAPPER, *command],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.info = self._reply()["ready"]
+
+    def _reply(self) -> dict:
+        for line in self.process.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+        error = self.process.stderr.read()[-2000:]
+        raise RuntimeError(f"{self.form} failed:\n{error}")
+
+    def round(self) -> dict:
+        self.process.stdin.write("round\n")
+        self.process.stdin.flush()
+        return self._reply()
+
+    def close(self) -> float:
+        """Ends the child; returns its peak RSS in GiB."""
+        self.process.stdin.close()
+        peak = 0
+        for line in self.process.stdout:
+            if line.startswith("qmoe-peak-rss "):
+                peak = int(line.split()[1])
+        self.process.wait()
+        return peak / 2**30
+
+
+def measure_model(model: str, path: str, forms: list[str], args) -> list[dict]:
+    """Every form of one model, interleaved round by round."""
+    children = []
+    try:
+        for form in forms:
+            print(f"  {model} / {form}: loading and compiling", flush=True)
+            children.append(Child(path, form, args))
+        rounds = {form: [] for form in forms}
+        bandwidth = []
+        for number in range(args.rounds):
+            copy = memory_bandwidth(megabytes=args.bandwidth_mb)["copy_gb_s"]
+            bandwidth.append(copy)
+            for child in children:
+                rounds[child.form].append(child.round() | {"copy_gb_s": copy})
+            line = ", ".join(
+                f"{f} {1e3 * rounds[f][-1]['decode_seconds_per_token']:.2f}" for f in forms
+            )
+            print(
+                f"  round {number + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f}, copy "
+                f"{copy:.1f} GB/s): ms/token {line}",
+                flush=True,
+            )
+    finally:
+        peaks = {child.form: child.close() for child in children}
+    rows = []
+    for form in forms:
+        info = next(child.info for child in children if child.form == form)
+        per_round = rounds[form]
+        decode = statistics.median(r["decode_seconds_per_token"] for r in per_round)
+        bounds = [info["total_bytes"] / (r["copy_gb_s"] * 1e9) for r in per_round]
+        row = {
+            "model": model,
+            "form": form,
+            **info,
+            "rounds": per_round,
+            "prefill_tokens_per_second": statistics.median(
+                r["prefill_tokens_per_second"] for r in per_round
+            ),
+            "decode_seconds_per_token": decode,
+            "decode_tokens_per_second": 1 / decode,
+            "bound_seconds_per_token": statistics.median(bounds),
+            "fraction_of_bound": statistics.median(
+                b / r["decode_seconds_per_token"] for b, r in zip(bounds, per_round)
+            ),
+            "load_average_median": statistics.median(r["load_average"] for r in per_round),
+            "peak_rss_gib": peaks.get(form, 0.0),
+        }
+        if BASELINE in rounds:
+            row["decode_speedup_over_dense_f32"] = statistics.median(
+                b["decode_seconds_per_token"] / r["decode_seconds_per_token"]
+                for b, r in zip(rounds[BASELINE], per_round)
+            )
+        rows.append(row)
+    return rows
 
 
 # ---------------------------------------------------------------- driver
-
-
-def _manifest_complete(manifest: str) -> bool:
-    """Whether `manifest` exists and marks its checkpoint complete."""
-    if not os.path.isfile(manifest):
-        return False
-    with open(manifest) as f:
-        return bool(json.load(f).get("complete"))
 
 
 def checkpoint_for(model: str, args) -> str:
@@ -304,7 +451,12 @@ def checkpoint_for(model: str, args) -> str:
         return path
     experts = args.experts if model == "base-shaped" else 128
     path = os.path.join(os.path.abspath(args.work_dir), f"switch-base-shaped-{experts}")
-    if not _manifest_complete(os.path.join(path, "manifest.json")):
+    manifest = os.path.join(path, "manifest.json")
+    complete = False
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            complete = bool(json.load(f).get("complete"))
+    if not complete:
         print(f"writing the synthetic {model} checkpoint ({experts} experts) to {path}", flush=True)
         subprocess.run(
             [
@@ -325,21 +477,20 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
-    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS))
+    parser.add_argument("--forms", nargs="+", choices=FORMS, default=list(DEFAULT_FORMS))
     parser.add_argument("--experts", type=int, default=16, help="experts of the base-shaped model")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--decode_length", type=int, default=16, help="greedy tokens per sequence")
+    parser.add_argument("--rounds", type=int, default=5, help="measurements of each form")
     parser.add_argument(
-        "--eval_batches", type=int, default=2, help="teacher-forced batches per timing"
+        "--repeats", type=int, default=3, help="runs per measurement and round (the best counts)"
     )
+    parser.add_argument("--prompt_length", type=int, default=32, help="decoding prompt tokens")
+    parser.add_argument("--prefill_length", type=int, default=128, help="prefill prompt tokens")
     parser.add_argument(
-        "--batch_sizes", type=int, nargs="+", default=[1, 8, 64], help="greedy decoding batch sizes"
+        "--bandwidth_mb", type=int, default=512, help="bytes of the copy-bandwidth measurement"
     )
-    parser.add_argument(
-        "--work_dir", default=work_dir("inference"), help="where the synthetic checkpoints are kept"
-    )
+    parser.add_argument("--work_dir", default=work_dir("inference"))
     parser.add_argument("--output", default=result_path("inference"), help="the JSON result")
-    parser.add_argument("--quick", action="store_true", help="bundled model only, fewer repeats")
+    parser.add_argument("--quick", action="store_true", help="bundled model only, fewer rounds")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--form", help=argparse.SUPPRESS)
     parser.add_argument("--write_synthetic", help=argparse.SUPPRESS)
@@ -348,76 +499,47 @@ def main() -> None:
         write_synthetic_checkpoint(args.write_synthetic, args.experts)
         return
     if args.child:
-        print(
-            json.dumps(
-                measure(
-                    args.child,
-                    args.form,
-                    args.repeats,
-                    args.decode_length,
-                    args.eval_batches,
-                    args.batch_sizes,
-                )
-            )
-        )
+        serve(args.child, args.form, args)
         return
     if args.quick:
-        args.models, args.repeats, args.decode_length, args.eval_batches = ["bundled"], 2, 8, 1
-        args.batch_sizes = [1, 8]
+        args.models, args.rounds, args.repeats = ["bundled"], 3, 2
 
+    started_load = os.getloadavg()
     rows = []
     for model in args.models:
         path = checkpoint_for(model, args)
-        forms = [f for f in args.forms if model != "base128-shaped" or f == "compressed"]
-        for form in forms:
-            print(f"measuring {model} / {form} ...", flush=True)
-            rows.append({"model": model, "form": form, **run_child(path, form, args)})
+        forms = [f for f in args.forms if model != "base128-shaped" or f.startswith("compressed")]
+        rows += measure_model(model, path, forms, args)
 
-    greedy = [f"greedy b{size}" for size in args.batch_sizes]
-    lines = [
-        f"{'model':<16}{'form':<15}{'eval tok/s':>11}"
-        + "".join(f"{g:>12}" for g in greedy)
-        + f"{'experts share b1':>18}{'peak RSS GiB':>14}"
-    ]
-    for row in rows:
-        if "error" in row:
-            message = [line for line in row["error"].splitlines() if "Error" in line] or row[
-                "error"
-            ].splitlines()
-            lines.append(f"{row['model']:<16}{row['form']:<15} failed: {message[-1][:100]}")
-            continue
-        lines.append(
-            f"{row['model']:<16}{row['form']:<15}{row['eval_target_tokens_per_second']:>11.1f}"
-            + "".join(
-                f"{row[f'greedy_b{size}_tokens_per_second']:>12.2f}" for size in args.batch_sizes
-            )
-            + f"{row['greedy_b1_experts_share']:>18.2f}{row['peak_rss_gib']:>14.2f}"
-        )
-    ratios = []
-    for model in args.models:
-        by_form = {r["form"]: r for r in rows if r["model"] == model and "error" not in r}
-        for baseline in ("dense f32", "dense f32 t5x"):
-            if "compressed" in by_form and baseline in by_form:
-                c, d = by_form["compressed"], by_form[baseline]
-
-                def speed(key, c=c, d=d):
-                    return f"{c[key] / d[key]:.2f}x"
-
-                ratios.append(
-                    f"{model}: compressed / {baseline}: eval "
-                    f"{speed('eval_target_tokens_per_second')}, "
-                    + "".join(
-                        f"greedy b{size} {speed(f'greedy_b{size}_tokens_per_second')}, "
-                        for size in args.batch_sizes
-                    )
-                    + f"peak RSS {c['peak_rss_gib'] / d['peak_rss_gib']:.2f}x"
-                )
-    print(
-        f"\nCPU: {cpu_model()}, {os.cpu_count()} cores; synthetic models: random ternary codes "
-        "at P(0) = 0.885, no dense source"
+    cpu = cpu_model()
+    header = (
+        f"{'model':<16}{'form':<17}{'prefill tok/s':>14}{'decode tok/s':>13}{'ms/token':>10}"
+        f"{'MB/token':>10}{'bound ms':>10}{'of bound':>10}{'vs dense f32':>14}{'peak GiB':>10}"
     )
-    print("\n".join(lines + [""] + ratios))
-    write_result("inference", {"rows": rows}, args.output)
+    lines = [header]
+    for row in rows:
+        speedup = row.get("decode_speedup_over_dense_f32")
+        lines.append(
+            f"{row['model']:<16}{row['form']:<17}{row['prefill_tokens_per_second']:>14.1f}"
+            f"{row['decode_tokens_per_second']:>13.1f}"
+            f"{1e3 * row['decode_seconds_per_token']:>10.2f}"
+            f"{row['total_bytes'] / 1e6:>10.1f}{1e3 * row['bound_seconds_per_token']:>10.2f}"
+            f"{row['fraction_of_bound']:>10.0%}"
+            + (f"{speedup:>13.2f}x" if speedup is not None else f"{'':>14}")
+            + f"{row['peak_rss_gib']:>10.2f}"
+        )
+    loads = [r["load_average"] for row in rows for r in row["rounds"]]
+    print(
+        f"\nCPU: {cpu}, {os.cpu_count()} cores; load average {started_load[0]:.1f} at the start, "
+        f"{min(loads):.1f} to {max(loads):.1f} over the rounds (a loaded machine's times are not "
+        "measurements); synthetic models: random ternary codes at P(0) = 0.885, no dense source"
+    )
+    print("\n".join(lines))
+    write_result(
+        "inference",
+        {"load_average_at_start": started_load, "rows": rows},
+        path=args.output,
+    )
 
 
 if __name__ == "__main__":

@@ -118,6 +118,16 @@ def run_sampled(
     return returncode, peak, log, samples
 
 
+def thinned(samples: list[tuple[float, int]], every: float) -> list[tuple[float, int]]:
+    """The largest sample of each ``every`` seconds, as (seconds, bytes)."""
+    kept: dict[int, tuple[float, int]] = {}
+    for t, rss in samples:
+        slot = int(t // every)
+        if slot not in kept or rss > kept[slot][1]:
+            kept[slot] = (round(t, 1), rss)
+    return [kept[slot] for slot in sorted(kept)]
+
+
 def directory_bytes(path: str) -> int:
     return sum(
         os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files
@@ -237,6 +247,10 @@ def main() -> None:
         "compress_seconds": compress_seconds,
         "compressed_bytes": report["model"]["compressed_bytes"],
         "compress_command": " ".join(command[1:]),
+        # RSS once a second, and the job's output lines, both against seconds since its start:
+        # where the memory goes, stage by stage.
+        "rss_samples": thinned(samples, 1.0),
+        "log": [(round(t, 1), line.rstrip()) for t, line in log],
     }
     print(f"{'checkpoint':>14} {'peak RSS':>10} {'ratio':>7} {'limit':>7} {'time':>8}  pass")
     print(

@@ -105,6 +105,7 @@ def evaluate(argv: list[str]) -> None:
                 "checkpoint": path,
                 "config": model.config.name,
                 "experts": model.experts,
+                "dense_dtype": args.dense_dtype,
                 "examples": len(validation.examples),
                 "validation_loss": round(loss, 6),
                 "uniform_loss": round(float(np.log(tokenizer.vocab_size)), 6),

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 
 #include "cpu_cholesky.h"
+#include "cpu_dense.h"
 #include "cpu_gptq.h"
 #include "cpu_kernels.h"
 #include "encoder.h"
@@ -27,6 +28,7 @@ py::dict Registrations() {
   cpu["qmoe_dequantize"] = Capsule(QmoeDequantizeCpu);
   cpu["qmoe_gptq_block"] = Capsule(QmoeGptqBlockCpu);
   cpu["qmoe_cholesky_base"] = Capsule(QmoeCholeskyBaseCpu);
+  cpu["qmoe_dense_matmul"] = Capsule(QmoeDenseMatmulCpu);
   platforms["cpu"] = cpu;
 #ifdef QMOE_WITH_CUDA
   py::dict cuda;

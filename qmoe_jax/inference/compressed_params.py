@@ -22,6 +22,7 @@ import numpy as np
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint, CompressedCheckpointError
 from qmoe_jax.checkpoints.layer_arrays import check_kernel_arrays, compressed_stack, kernel_cols
 from qmoe_jax.codec import CompressedExperts, Dictionary, decode_codes
+from qmoe_jax.inference.dense_forms import pack_dense_params
 from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.compressed_experts import compressed_experts_cls
 from qmoe_jax.models.lora import LORA, merged_kernel
@@ -80,7 +81,11 @@ def dequantized_kernel(
 
 
 def load_compressed_model(
-    directory: str, experts: str = "dense", dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None
+    directory: str,
+    experts: str = "dense",
+    dtype=jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+    dense_dtype: str = "float32",
 ) -> CompressedModel:
     """Reads a finished compressed checkpoint, verifying checksums and dictionary fingerprints.
 
@@ -90,6 +95,8 @@ def load_compressed_model(
       mesh: with "compressed", shard every expert stack over this mesh's
         ``expert`` axis (expert parallelism; E must divide by its size); the
         dense parameters are replicated on its devices.
+      dense_dtype: storage of the dense matrices ("float32": ``dtype``; "bfloat16" or "int8":
+        packed, ``inference.dense_forms``).
     """
     if experts not in ("dense", "compressed"):
         raise ValueError(f"experts must be 'dense' or 'compressed', got {experts!r}")
@@ -109,8 +116,7 @@ def load_compressed_model(
         raise ValueError(
             f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}"
         )
-    params = checkpoint.dense_params()
-    params = _cast(params, dtype)
+    params = pack_dense_params(checkpoint.dense_params(), dense_dtype, dtype)
     adapters = checkpoint.adapters() or {}
     dictionaries = {}
     for name in checkpoint.layer_names():

@@ -26,6 +26,7 @@ from qmoe_jax.checkpoints.mapped_layout import CONVERT, is_mapped_checkpoint
 from qmoe_jax.cli import finite_float
 from qmoe_jax.data import bundled
 from qmoe_jax.inference.compressed_params import load_compressed_model
+from qmoe_jax.inference.dense_forms import DENSE_DTYPES, pack_dense_params
 from qmoe_jax.inference.mapped_params import (
     DEFAULT_EXPERT_CACHE_GB,
     VERIFY_MODES,
@@ -36,12 +37,15 @@ from qmoe_jax.inference.model_directory import refuse_non_model
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
-def load_t5x_params(path: str | T5XCheckpoint, config: SwitchConfig, dtype=jnp.float32) -> dict:
-    """All parameters of a T5X checkpoint, shape-checked against ``config``, cast to ``dtype``."""
+def load_t5x_params(
+    path: str | T5XCheckpoint, config: SwitchConfig, dtype=jnp.float32, dense_dtype="float32"
+) -> dict:
+    """All parameters of a T5X checkpoint, shape-checked against ``config``, cast to ``dtype``
+    (the dense matrices stored as ``dense_dtype``, ``inference.dense_forms``)."""
     checkpoint = open_t5x_checkpoint(path) if isinstance(path, str) else path
     check_config(checkpoint, config)
     params = checkpoint.read_params(checkpoint.keys())
-    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype), params)
+    return pack_dense_params(params, dense_dtype, dtype)
 
 
 def fitting_configs(checkpoint: T5XCheckpoint) -> list[str]:
@@ -117,6 +121,7 @@ def open_model(
     expert_parallel: str = "auto",
     verify: str = "lazy",
     expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB,
+    dense_dtype: str = "float32",
 ) -> OpenedModel:
     """Opens a T5X checkpoint or a compressed directory for inference.
 
@@ -135,7 +140,13 @@ def open_model(
         device; "off" runs every expert on one device.
       verify, expert_cache_gb: mapped directories only
         (``inference.mapped_params.load_mapped_model``).
+      dense_dtype: storage of the dense (non-expert) matrices and the embedding: "float32" (in
+        ``dtype``), "bfloat16" or "int8" (``inference.dense_forms``).
     """
+    if dense_dtype not in DENSE_DTYPES:
+        raise ValueError(
+            f"dense_dtype must be one of {', '.join(DENSE_DTYPES)}, got {dense_dtype!r}"
+        )
     if expert_parallel not in EXPERT_PARALLEL:
         raise ValueError(
             f"expert_parallel must be one of {', '.join(EXPERT_PARALLEL)}, got {expert_parallel!r}"
@@ -148,7 +159,7 @@ def open_model(
             )
         if expert_parallel == "on":
             raise ValueError("mapped experts run on one CPU device; drop --expert_parallel on")
-        mapped = load_mapped_model(path, verify, expert_cache_gb, dtype)
+        mapped = load_mapped_model(path, verify, expert_cache_gb, dtype, dense_dtype=dense_dtype)
         return OpenedModel(
             mapped.config,
             mapped.module(),
@@ -169,7 +180,7 @@ def open_model(
         parallel = expert_parallel == "on" or (expert_parallel == "auto" and jax.device_count() > 1)
         mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",)) if parallel else None
         loaded = load_compressed_model(
-            path, experts=experts or "compressed", dtype=dtype, mesh=mesh
+            path, experts=experts or "compressed", dtype=dtype, mesh=mesh, dense_dtype=dense_dtype
         )
         return OpenedModel(
             loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts, loaded.mesh
@@ -184,7 +195,7 @@ def open_model(
     return OpenedModel(
         config,
         SwitchTransformer(config),
-        load_t5x_params(checkpoint, config, dtype),
+        load_t5x_params(checkpoint, config, dtype, dense_dtype),
         "t5x",
         "dense",
     )
@@ -233,6 +244,14 @@ def add_model_arguments(parser) -> None:
         help="mapped experts: mapped expert pages kept resident at most, in GiB (default: "
         f"{DEFAULT_EXPERT_CACHE_GB:g}); the least recently routed are released first",
     )
+    parser.add_argument(
+        "--dense_dtype",
+        choices=DENSE_DTYPES,
+        default="float32",
+        help="storage of the dense (non-expert) matrices and the embedding: float32 (default), "
+        "bfloat16, or int8 with one scale per output channel; products stay float32 "
+        "(docs/dense_forms.md)",
+    )
     parser.add_argument("--tokenizer", help="SentencePiece model (default: the bundled model's)")
 
 
@@ -246,4 +265,5 @@ def open_model_from_args(args) -> OpenedModel:
         expert_parallel=args.expert_parallel,
         verify=getattr(args, "verify", "lazy"),
         expert_cache_gb=getattr(args, "expert_cache_gb", DEFAULT_EXPERT_CACHE_GB),
+        dense_dtype=getattr(args, "dense_dtype", "float32"),
     )

@@ -43,7 +43,7 @@ from tqdm import tqdm
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpointError
 from qmoe_jax.checkpoints.mapped_layout import MappedCheckpoint, MappedExpertError, MappedLayer
 from qmoe_jax.codec import CompressedExperts, Dictionary
-from qmoe_jax.inference.compressed_params import _cast
+from qmoe_jax.inference.dense_forms import pack_dense_params
 from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.mapped_experts import mapped_experts_cls
 
@@ -229,6 +229,7 @@ def load_mapped_model(
     expert_cache_gb: float = DEFAULT_EXPERT_CACHE_GB,
     dtype=jnp.float32,
     progress: bool = False,
+    dense_dtype: str = "float32",
 ) -> MappedModel:
     """Opens a mapped checkpoint: dense parameters in memory, expert stacks mapped (docs/format.md
       §9).
@@ -237,6 +238,7 @@ def load_mapped_model(
       verify: "lazy" (each expert on first use; the default) or "full" (every expert now).
       expert_cache_gb: mapped expert bytes kept resident at most (``ExpertResidency``).
       dtype: of the dense parameters and the activations.
+      dense_dtype: storage of the dense matrices (``inference.dense_forms``).
     """
     if jax.default_backend() != "cpu":
         raise ValueError(
@@ -251,7 +253,7 @@ def load_mapped_model(
     config = dataclasses.replace(
         SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name
     )
-    params = _cast(checkpoint.dense_params(), dtype)
+    params = pack_dense_params(checkpoint.dense_params(), dense_dtype, dtype)
     dictionaries, layers = {}, {}
     for name in checkpoint.layer_names():
         stats = checkpoint.manifest["layers"][name]["stats"]

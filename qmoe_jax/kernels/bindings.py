@@ -1,7 +1,8 @@
 """Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h;
-CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), and of
-GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``) and the CPU kernel for the
-Cholesky's diagonal blocks (xla_ffi/cpu_cholesky.h, ``cholesky_base_call``).
+CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), of
+GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``), of the CPU kernel for the
+Cholesky's diagonal blocks (xla_ffi/cpu_cholesky.h, ``cholesky_base_call``) and of the CPU
+product with bfloat16 or int8 dense weights (xla_ffi/cpu_dense.h, ``dense_matmul_call``).
 
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
@@ -37,6 +38,7 @@ MATMUL_TRANSPOSED = "qmoe_matmul_t"
 DEQUANTIZE = "qmoe_dequantize"
 GPTQ_BLOCK = "qmoe_gptq_block"
 CHOLESKY_BASE = "qmoe_cholesky_base"
+DENSE_MATMUL = "qmoe_dense_matmul"
 PLUS_SLOTS = 8
 MINUS_SLOTS = 7
 UNUSED_SLOT = 31
@@ -288,6 +290,14 @@ def cholesky_base_call(matrix):
     result = jax.ShapeDtypeStruct(matrix.shape, jnp.float32)
     results = jax.ffi.ffi_call(CHOLESKY_BASE, (result, result), vmap_method="broadcast_all")(matrix)
     return _varying_like(results, matrix)
+
+
+def dense_matmul_call(x, weights, scales):
+    """y float32[N, rows] = (x · Wᵀ) · scales for x float32[N, cols] and weights bfloat16|int8[rows,
+    cols] on the CPU (xla_ffi/cpu_dense.h); ``scales`` is float32[rows] for int8 weights and
+    float32[0] for bfloat16 ones. No autodiff or vmap rule: ``kernels.dense`` calls it."""
+    result = jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(DENSE_MATMUL, result)(x, weights, scales)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

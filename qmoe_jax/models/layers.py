@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from qmoe_jax.kernels import dense
+from qmoe_jax.kernels.dense import PackedMatrix
 from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.mlp import hidden_units
 
@@ -32,7 +34,12 @@ def kernel_init(scale: float, distribution: str = "truncated_normal", divide_by:
 
 
 class DenseKernel(nn.Module):
-    """``y = x @ kernel`` with a single parameter ``kernel [in, out]`` (no bias)."""
+    """``y = x @ kernel`` with a single parameter ``kernel [in, out]`` (no bias).
+
+    The parameter may instead be a ``PackedMatrix`` of ``kernelᵀ [out, in]`` in bfloat16 or int8
+    (``inference.dense_forms``, ``--dense_dtype``): the product then runs on the packed form in
+    float32 (``kernels.dense.matmul``) and is cast to the compute dtype.
+    """
 
     features: int
     config: SwitchConfig
@@ -41,10 +48,14 @@ class DenseKernel(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
+        dtype = self.dtype or self.config.jnp_dtype
+        # Read before self.param: flax checks a parameter's shape against its initializer.
+        packed = self.get_variable("params", "kernel")
+        if isinstance(packed, PackedMatrix):
+            return dense.matmul(x, packed).astype(dtype)
         kernel = self.param(
             "kernel", self.init, (x.shape[-1], self.features), self.config.jnp_param_dtype
         )
-        dtype = self.dtype or self.config.jnp_dtype
         return jnp.dot(x.astype(dtype), kernel.astype(dtype))
 
 

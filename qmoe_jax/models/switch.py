@@ -20,6 +20,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from qmoe_jax.kernels import dense
+from qmoe_jax.kernels.dense import PackedMatrix
 from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.experts import MlpExperts
 from qmoe_jax.models.layers import (
@@ -37,12 +39,22 @@ from qmoe_jax.models.moe import MoeLayer
 
 
 class Embedding(nn.Module):
-    """Token embedding ``embedding [V, d]``, shared by encoder, decoder and tied logits."""
+    """Token embedding ``embedding [V, d]``, shared by encoder, decoder and tied logits.
+
+    The parameter may be a ``PackedMatrix`` [V, d] in bfloat16 or int8 (``--dense_dtype``): a
+    lookup converts only the rows it takes, and the logits multiply the packed form.
+    """
 
     config: SwitchConfig
 
     def setup(self):
         cfg = self.config
+        # Read before self.param: flax checks a parameter's shape against its initializer.
+        packed = self.get_variable("params", "embedding")
+        if isinstance(packed, PackedMatrix):
+            self.packed = packed
+            return
+        self.packed = None
         self.embedding = self.param(
             "embedding",
             nn.initializers.normal(1.0),
@@ -51,10 +63,14 @@ class Embedding(nn.Module):
         )
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
+        if self.packed is not None:
+            return dense.take_rows(self.packed, tokens).astype(self.config.jnp_dtype)
         return jnp.take(self.embedding, tokens, axis=0).astype(self.config.jnp_dtype)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """``x [.., d] @ embeddingᵀ`` in float32 → ``[.., V]``."""
+        if self.packed is not None:
+            return dense.matmul(x, self.packed)
         return jnp.dot(x.astype(jnp.float32), self.embedding.astype(jnp.float32).T)
 
 

@@ -1,0 +1,158 @@
+"""Products with bfloat16 and int8 dense weights on XLA:CPU: the qmoe_dense_matmul kernel against
+XLA's own formulations and the float32 dot.
+
+A decoding step multiplies one token by every dense matrix of the decoder once. This runs that
+pattern: --matrices matrices of --rows x --cols (far more bytes than the last-level cache), each
+multiplied by the same --tokens tokens, summed, in one jitted program per form:
+
+  f32 dot                 x @ W, W float32 [cols, rows] (the float32 baseline)
+  bf16 convert+dot        x @ W.astype(float32), W bfloat16
+  int8 convert+dot        (x @ W.astype(float32)) * scales, W int8
+  int8 multiply-reduce    sum(W.astype(float32) * x, axis=-1) * scales, W int8 [rows, cols]
+  bf16 native dot         XLA's bfloat16 dot, float32 result
+  bf16 kernel             kernels.dense.matmul on bfloat16 weights (the FFI kernel)
+  int8 kernel             kernels.dense.matmul on int8 weights with row scales
+
+Forms are timed round by round (each round runs every form once, best of --repeats); reported:
+each form's median time, its stored bytes over that time, and the median of its per-round ratio
+to the float32 dot. The load average of every round is printed beside it: on a loaded machine the
+ratios hold better than the times, and neither is a measurement of the machine.
+
+    python benchmarks/dense_product.py
+    python benchmarks/dense_product.py --tokens 48 --rounds 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+from machine import cpu_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def forms(matrices: list[np.ndarray]) -> dict:
+    """{form: (product(x, weight), weights)} for the float32 matrices W[rows, cols]."""
+    import jax.numpy as jnp
+
+    from qmoe_jax.kernels import dense
+    from qmoe_jax.quant.int8 import quantize_int8
+
+    float32 = [jnp.asarray(w.T.copy()) for w in matrices]
+    bfloat16 = [jnp.asarray(w.T.copy(), jnp.bfloat16) for w in matrices]
+    int8 = [quantize_int8(w) for w in matrices]
+    int8_t = [(codes.T.copy(), scales) for codes, scales in int8]
+    return {
+        "f32 dot": (lambda x, w: x @ w, float32),
+        "bf16 convert+dot": (lambda x, w: x @ w.astype(jnp.float32), bfloat16),
+        "int8 convert+dot": (lambda x, w: (x @ w[0].astype(jnp.float32)) * w[1], int8_t),
+        "int8 multiply-reduce": (
+            lambda x, w: jnp.sum(w[0].astype(jnp.float32) * x[:, None, :], axis=-1) * w[1],
+            int8,
+        ),
+        "bf16 native dot": (
+            lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32),
+            bfloat16,
+        ),
+        "bf16 kernel": (dense.matmul, [dense.pack(w, "bfloat16") for w in matrices]),
+        "int8 kernel": (dense.matmul, [dense.pack(w, "int8") for w in matrices]),
+    }
+
+
+def stored_bytes(weights) -> int:
+    import jax
+
+    return sum(int(leaf.nbytes) for leaf in jax.tree.leaves(weights))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--matrices", type=int, default=24)
+    parser.add_argument("--rows", type=int, default=3072)
+    parser.add_argument("--cols", type=int, default=768)
+    parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--output", default=os.path.join(REPO, "benchmarks", "results", "dense_product.json")
+    )
+    args = parser.parse_args()
+
+    import jax
+
+    rng = np.random.default_rng(0)
+    matrices = [
+        (rng.standard_normal((args.rows, args.cols)) / np.sqrt(args.cols)).astype(np.float32)
+        for _ in range(args.matrices)
+    ]
+    x = jax.numpy.asarray(rng.standard_normal((args.tokens, args.cols)).astype(np.float32))
+    runs = {}
+    for name, (product, weights) in forms(matrices).items():
+
+        def total(x, weights, product=product):
+            return sum(product(x, w) for w in weights)
+
+        runs[name] = (jax.jit(total), weights)
+        jax.block_until_ready(runs[name][0](x, weights))  # compiles
+    times = {name: [] for name in runs}
+    loads = []
+    for number in range(args.rounds):
+        for name, (run, weights) in runs.items():
+            best = float("inf")
+            for _ in range(args.repeats):
+                started = time.perf_counter()
+                jax.block_until_ready(run(x, weights))
+                best = min(best, time.perf_counter() - started)
+            times[name].append(best)
+        loads.append(os.getloadavg()[0])
+        print(f"round {number + 1}/{args.rounds} (load {loads[-1]:.1f})", flush=True)
+
+    cpu = cpu_model()
+    print(
+        f"\nCPU: {cpu}, {os.cpu_count()} cores; {args.matrices} matrices {args.rows}x{args.cols}, "
+        f"{args.tokens} token(s); load average {min(loads):.1f} to {max(loads):.1f} (a loaded "
+        "machine's times are not measurements)"
+    )
+    print(f"{'form':<22}{'ms':>9}{'GB/s stored':>13}{'time / f32 dot':>16}")
+    rows = []
+    for name, (_, weights) in runs.items():
+        median = statistics.median(times[name])
+        ratio = statistics.median(t / f for t, f in zip(times[name], times["f32 dot"]))
+        nbytes = stored_bytes(weights)
+        print(f"{name:<22}{1e3 * median:>9.2f}{nbytes / median / 1e9:>13.1f}{ratio:>16.2f}")
+        rows.append(
+            {
+                "form": name,
+                "seconds": times[name],
+                "median_seconds": median,
+                "stored_bytes": nbytes,
+                "time_over_f32_dot": ratio,
+            }
+        )
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(
+            {
+                "cpu": cpu,
+                "cores": os.cpu_count(),
+                "command": " ".join(sys.argv),
+                "load_averages": loads,
+                "rows": rows,
+            },
+            f,
+            indent=1,
+        )
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

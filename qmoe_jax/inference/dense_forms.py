@@ -1,0 +1,73 @@
+"""How a loaded model stores its dense (non-expert) parameters: ``--dense_dtype``.
+
+- "float32": every parameter in the model's dtype (float32 unless asked otherwise), as T5X
+  computes;
+- "bfloat16": the kernels of attention and of the dense MLPs, the untied logits kernel and the
+  token embedding stored as bfloat16 (lossless where the checkpoint holds bfloat16, as the
+  released Switch checkpoints and compressed directories do);
+- "int8": the same matrices as int8 codes with one float32 scale per output channel
+  (``quant.int8``), a quarter of float32's bytes.
+
+A packed matrix is held in y = W·x orientation (``kernels.dense.PackedMatrix``), so a T5X kernel
+[in, out] is stored transposed and the embedding [V, d] as it is; the model multiplies it in
+float32 without a float32 copy (``kernels.dense.matmul``). Layer-norm scales, relative position
+tables and router kernels stay in the model's dtype: they are small, and routing decisions are
+sensitive to the router's weights. Expert kernels are never touched here: their form is
+``--experts``'. The packed forms are for inference (no gradients through them).
+
+docs/dense_forms.md has the bytes a decoded token reads in each form, speeds and quality.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmoe_jax.kernels.dense import FORMS, PackedMatrix, pack
+
+DENSE_DTYPES = ("float32",) + FORMS
+EMBEDDING = ("token_embedder", "embedding")
+
+
+def packed_orientation(path: tuple[str, ...]) -> str | None:
+    """How the leaf at ``path`` (keys from the tree's root) is packed: "transpose" for a dense
+    kernel [in, out], "as_is" for the token embedding [V, d], None when it is not packed."""
+    if tuple(path) == EMBEDDING:
+        return "as_is"
+    if path and path[-1] == "kernel" and "expert" not in path and "router" not in path:
+        return "transpose"
+    return None
+
+
+def pack_dense_params(params: Mapping, dense_dtype: str, dtype=jnp.float32) -> dict:
+    """``params`` (a nested dict of arrays, numpy or jax) with the dense matrices stored as
+    ``dense_dtype`` and every other leaf, expert kernels included, as ``dtype``.
+
+    Leaves are converted one at a time, so the peak is the input tree plus one matrix in float32
+    (int8 quantizes from float32).
+    """
+    if dense_dtype not in DENSE_DTYPES:
+        raise ValueError(
+            f"unknown dense dtype {dense_dtype!r}; choose one of {', '.join(DENSE_DTYPES)}"
+        )
+
+    def convert(node, path):
+        if isinstance(node, Mapping):
+            return {key: convert(value, (*path, key)) for key, value in node.items()}
+        orientation = packed_orientation(path) if dense_dtype != "float32" else None
+        if orientation is None:
+            return jnp.asarray(node, dtype)
+        matrix = np.asarray(node) if orientation == "as_is" else np.asarray(node).T
+        return pack(matrix, dense_dtype)
+
+    return convert(params, ())
+
+
+def dense_bytes(params) -> int:
+    """Bytes of a parameter tree's arrays as stored (a packed matrix counts its values and
+    scales)."""
+    leaves = jax.tree.leaves(params, is_leaf=lambda leaf: isinstance(leaf, PackedMatrix))
+    return sum(int(leaf.nbytes) for leaf in leaves)

@@ -1,0 +1,138 @@
+"""Dense weights stored in fewer bytes: bfloat16, or int8 with one scale per output channel.
+
+Lingo: W[rows, cols] in y = W·x orientation, a row per output channel (a
+T5X kernel [in, out] is its transpose; the token embedding [V, d] is already
+in this orientation for the tied logits). A ``PackedMatrix`` holds W as
+bfloat16, or as int8 codes with float32 row scales (``quant.int8``).
+
+``matmul`` multiplies tokens by a packed matrix in float32 without ever
+holding a float32 copy of W: on the CPU the FFI kernel
+``qmoe_dense_matmul`` (xla_ffi/cpu_dense.h) converts the weights in
+registers, so a product reads 2 or 1 bytes per weight instead of 4; XLA's
+own CPU formulations of the same product (a convert feeding a dot, or a
+multiply-and-reduce) convert the whole matrix into a float32 buffer first
+and come out slower than the float32 dot (docs/dense_forms.md). On other
+platforms the jnp twin ``matmul_reference`` runs, which XLA fuses there.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qmoe_jax.quant.int8 import dequantize_int8, quantize_int8
+
+FORMS = ("bfloat16", "int8")
+
+
+@jax.tree_util.register_pytree_node_class
+class PackedMatrix:
+    """W[rows, cols] stored as bfloat16 (``scales`` None) or as int8 codes with float32 row scales
+    (W ≈ scales[:, None] · codes)."""
+
+    def __init__(self, values, scales=None):
+        self.values = values
+        self.scales = scales
+
+    def tree_flatten(self):
+        return (self.values, self.scales), None
+
+    @classmethod
+    def tree_unflatten(cls, _, children):
+        return cls(*children)
+
+    @property
+    def form(self) -> str:
+        return "int8" if self.scales is not None else "bfloat16"
+
+    @property
+    def rows(self) -> int:
+        return self.values.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.values.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes stored: the values and the scales."""
+        return int(self.values.nbytes) + (0 if self.scales is None else int(self.scales.nbytes))
+
+    def __repr__(self) -> str:
+        return f"PackedMatrix({self.form}[{self.rows}, {self.cols}])"
+
+
+def pack(matrix, form: str) -> PackedMatrix:
+    """``matrix [rows, cols]`` (y = W·x orientation, any float dtype) stored as ``form``."""
+    if form not in FORMS:
+        raise ValueError(f"unknown packed form {form!r}; choose one of {', '.join(FORMS)}")
+    if np.ndim(matrix) != 2:
+        raise ValueError(f"pack expects a matrix [rows, cols], got shape {np.shape(matrix)}")
+    if form == "bfloat16":
+        return PackedMatrix(jnp.asarray(matrix, jnp.bfloat16))
+    return PackedMatrix(*quantize_int8(matrix))
+
+
+def unpack(packed: PackedMatrix) -> jax.Array:
+    """W as float32[rows, cols]."""
+    if packed.scales is None:
+        return jnp.asarray(packed.values).astype(jnp.float32)
+    return dequantize_int8(packed.values, packed.scales)
+
+
+def take_rows(packed: PackedMatrix, index: jax.Array) -> jax.Array:
+    """float32[..., cols]: rows ``index int[...]`` of W (an embedding lookup), converting only
+    those."""
+    values = jnp.take(packed.values, index, axis=0).astype(jnp.float32)
+    if packed.scales is None:
+        return values
+    return values * jnp.take(packed.scales, index, axis=0)[..., None]
+
+
+def _scales_operand(packed: PackedMatrix) -> jax.Array:
+    if packed.scales is None:
+        return jnp.zeros((0,), jnp.float32)
+    return jnp.asarray(packed.scales, jnp.float32)
+
+
+def matmul_reference(x: jax.Array, packed: PackedMatrix) -> jax.Array:
+    """``matmul`` in pure jnp: float32[..., rows] = x · Wᵀ."""
+    y = jnp.einsum(
+        "...c,rc->...r",
+        jnp.asarray(x, jnp.float32),
+        packed.values.astype(jnp.float32),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return y if packed.scales is None else y * packed.scales
+
+
+def _native(x, values, scales):
+    from qmoe_jax.kernels import bindings  # the extension, only where the CPU kernel runs
+
+    return bindings.dense_matmul_call(x, values, scales)
+
+
+def _twin(x, values, scales):
+    return matmul_reference(x, PackedMatrix(values, scales if scales.shape[0] else None))
+
+
+def matmul(x: jax.Array, packed: PackedMatrix) -> jax.Array:
+    """float32[..., rows] = x · Wᵀ for x [..., cols] (converted to float32), never materializing W
+    in float32 (see the module docstring). No autodiff rule: the packed forms are for inference."""
+    if not isinstance(packed, PackedMatrix):
+        raise TypeError(f"expected a PackedMatrix, got {type(packed).__name__}")
+    x = jnp.asarray(x, jnp.float32)
+    if x.ndim == 0 or x.shape[-1] != packed.cols:
+        raise ValueError(
+            f"x has shape {x.shape}, but W[{packed.rows}, {packed.cols}] needs {packed.cols} "
+            "columns last"
+        )
+    lead = x.shape[:-1]
+    tokens = x.reshape(math.prod(lead), packed.cols)
+    y = jax.lax.platform_dependent(
+        tokens, packed.values, _scales_operand(packed), cpu=_native, default=_twin
+    )
+    return y.reshape(*lead, packed.rows)
