@@ -40,6 +40,7 @@ import operator
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from absl import logging
 from flax.linen import partitioning as flax_partitioning
 from flaxformer.architectures.moe import moe_layers
 from flaxformer.components import dense
@@ -308,6 +309,15 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
 
         if size(experts_axis) * size(replicas_axis) == 1:
             return ops.matmul
+        logging.info(
+            "qmoe_jax: compressed experts of %s run expert-locally over mesh axes %s (%d devices) "
+            "and %s (%d devices)",
+            ".".join(self.path),
+            experts_axis,
+            size(experts_axis),
+            replicas_axis,
+            size(replicas_axis),
+        )
         weights_spec = jax.sharding.PartitionSpec(experts_axis)
         tokens_spec = jax.sharding.PartitionSpec(experts_axis, replicas_axis)
 

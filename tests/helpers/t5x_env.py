@@ -1,7 +1,7 @@
 """Where the tests that run stock T5X (t5x, flaxformer) find it, and what they do without it.
 
 Those tests carry the ``t5x`` marker. Where ``import t5x, flaxformer`` fails they
-skip, naming how to build a T5X environment (docs/gin.md §8). With
+skip, naming how to build a T5X environment (docs/gin.md §9). With
 ``QMOE_REQUIRE_T5X=1`` (set by ``.ci/run`` in the T5X environment it builds) a
 missing T5X or a missing main-job output fails the test instead, so that CI
 cannot pass by skipping them.
@@ -13,7 +13,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HOW = (
-    "build a T5X environment as docs/gin.md §8 says (t5x and flaxformer from GitHub, the PyPI "
+    "build a T5X environment as docs/gin.md §9 says (t5x and flaxformer from GitHub, the PyPI "
     "requirements, then pip install this project into it) and run pytest -m t5x with its python"
 )
 

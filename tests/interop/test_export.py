@@ -2,11 +2,10 @@
 
 The last test runs stock t5x.eval (google-research/t5x with flaxformer) on an
 export; it needs an environment where ``import t5x, flaxformer`` works (docs/gin.md
-§7 says how to build one) and is skipped elsewhere.
+§9 says how to build one) and is skipped elsewhere (``t5x`` marker).
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from flax import traverse_util
 from helpers.child_process import child_env
+from helpers.t5x_env import main_job_output, missing_reason, source_roots
 
 from qmoe_jax import evaluate as evaluate_cli
 from qmoe_jax import export as export_cli
@@ -29,7 +29,10 @@ from qmoe_jax.inference.scoring import score_examples
 from qmoe_jax.interop.gin_flags import CONFIGS_DIR
 from qmoe_jax.interop.t5x_export import export_t5x
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
 
 
 def flat(tree):
@@ -90,36 +93,17 @@ def test_export_cli_follows_the_output_rules(compressed_tiny, tmp_path, capsys):
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "keep"
 
 
-def _t5x_available() -> bool:
-    try:
-        import flaxformer  # noqa: F401
-        import t5x  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _t5x_available(),
-    reason="stock T5X is not installed (import t5x, flaxformer fails); "
-    "docs/gin.md §7 says how to build that environment",
-)
+@pytest.mark.t5x
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     """Exports the README main job's output, runs ``python -m t5x.eval`` on it with configs/t5x/,
     and compares its per-example scores with qmoe_jax's fused-kernel scores of the compressed
     checkpoint."""
-    import flaxformer
-
-    compressed = os.path.join(REPO, "runs", "compressed", bundled.CONFIG_NAME)
-    if not os.path.isfile(os.path.join(compressed, "manifest.json")):
-        pytest.skip(
-            f"{compressed} is missing: run the README's main job (python -m qmoe_jax.compress) "
-            "first"
-        )
+    compressed = main_job_output()
     written = export_t5x(compressed, str(tmp_path / "export"), log=lambda _: None)
     examples = 64
-    flaxformer_root = os.path.dirname(os.path.dirname(os.path.abspath(flaxformer.__file__)))
+    flaxformer_root, _ = source_roots()
     command = [
         sys.executable,
         "-m",
@@ -137,8 +121,8 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-4000:]
     out = tmp_path / "t5x_eval" / "inference_eval"
-    metrics = [json.loads(line) for line in open(out / "qmoe_span_corruption-metrics.jsonl")]
-    records = [json.loads(line) for line in open(out / "qmoe_span_corruption-006000.jsonl")]
+    metrics = read_jsonl(out / "qmoe_span_corruption-metrics.jsonl")
+    records = read_jsonl(out / "qmoe_span_corruption-006000.jsonl")
     assert metrics[0]["step"] == 6000 and len(records) == examples
     t5x_scores = np.array([r["score"] for r in records])
 
@@ -186,7 +170,7 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
         command, capture_output=True, text=True, timeout=900, cwd=str(tmp_path), env=child_env()
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    theirs = [json.loads(line) for line in open(out / "qmoe_jsonl_seq2seq-006000.jsonl")]
+    theirs = read_jsonl(out / "qmoe_jsonl_seq2seq-006000.jsonl")
     evaluate_cli.evaluate(
         [
             "--gin_file=runs/eval.gin",
@@ -198,10 +182,7 @@ def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
             lengths,
         ]
     )
-    mine = [
-        json.loads(line)
-        for line in open(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")
-    ]
+    mine = read_jsonl(tmp_path / "ours" / "inference_eval" / "jsonl_seq2seq-006000.jsonl")
     assert [t["input"]["targets"] for t in theirs] == [m["input"]["targets"] for m in mine]
     np.testing.assert_allclose([t["score"] for t in theirs], [m["score"] for m in mine], rtol=1e-4)
     # seqio's decoder puts spaces around sentinels, qmoe_jax's does not.
