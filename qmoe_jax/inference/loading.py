@@ -34,6 +34,7 @@ from qmoe_jax.inference.mapped_params import (
     load_mapped_model,
 )
 from qmoe_jax.inference.model_directory import refuse_non_model
+from qmoe_jax.interop.t5x_layout import has_sidecar
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
@@ -182,6 +183,15 @@ def open_model(
         loaded = load_compressed_model(
             path, experts=experts or "compressed", dtype=dtype, mesh=mesh, dense_dtype=dense_dtype
         )
+        return OpenedModel(
+            loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts, loaded.mesh
+        )
+    if has_sidecar(path):  # T5X's checkpoint of a compressed model (t5x.train, docs/gin.md §8)
+        from qmoe_jax.interop.t5x_state import load_t5x_compressed_model
+
+        parallel = expert_parallel == "on" or (expert_parallel == "auto" and jax.device_count() > 1)
+        mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("expert",)) if parallel else None
+        loaded = load_t5x_compressed_model(path, experts or "compressed", dtype, mesh)
         return OpenedModel(
             loaded.config, loaded.module(), loaded.params, "compressed", loaded.experts, loaded.mesh
         )

@@ -41,6 +41,7 @@ from qmoe_jax.interop.eval_tasks import (
     resolve,
 )
 from qmoe_jax.interop.steps import checkpoint_step
+from qmoe_jax.interop.t5x_layout import has_sidecar, read_layout
 from qmoe_jax.models import SwitchConfig
 
 EVAL_OUTPUT = OutputKind("qmoe_jax.evaluation", "a qmoe_jax evaluation output directory")
@@ -137,14 +138,16 @@ def open_evaluated_model(
     dtype), after checking that its shapes are the checkpoint's."""
     path = settings.checkpoint_path
     dtype = model.dtype if model is not None else "float32"
-    if is_compressed_checkpoint(path):
+    # A T5X checkpoint that t5x.train wrote of a compressed model opens as a compressed one.
+    t5x_compressed = has_sidecar(path)
+    if is_compressed_checkpoint(path) or t5x_compressed:
         if model is not None:
-            check_model_config(
-                model,
-                SwitchConfig.from_dict(CompressedCheckpoint(path).header["model"]),
-                path,
-                model_files,
+            stored = (
+                read_layout(path).model
+                if t5x_compressed
+                else CompressedCheckpoint(path).header["model"]
             )
+            check_model_config(model, SwitchConfig.from_dict(stored), path, model_files)
         opened = open_model(
             path, experts=settings.experts, dtype=dtype, expert_parallel=settings.expert_parallel
         )

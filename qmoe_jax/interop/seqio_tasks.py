@@ -10,7 +10,7 @@ reads its settings from gin macros:
   (default None: all) for ``qmoe_span_corruption``;
 - ``QMOE_JSONL_FILE`` for ``qmoe_jsonl_seq2seq``.
 
-Tasks (split ``test``, the split T5X's eval.gin reads):
+Tasks (split ``test``, the split T5X's eval.gin and infer.gin read):
 
 - ``qmoe_span_corruption``: qmoe_jax's own span-corruption validation
   examples (``inference.validation_set``, encoder length
@@ -18,7 +18,8 @@ Tasks (split ``test``, the split T5X's eval.gin reads):
   exactly the examples ``python -m qmoe_jax.evaluate`` scores; metric: the
   mean and the sum of the per-example log-likelihood.
 - ``qmoe_jsonl_seq2seq``: ``{"inputs", "targets"}`` JSON lines, tokenized by
-  seqio; scored and predicted (exact match, in percent).
+  seqio; scored and predicted (exact match, in percent). Its ``train`` and
+  ``validation`` splits read the same file, for ``t5x.train`` (docs/gin.md §8).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _register() -> None:
     )
     seqio.TaskRegistry.add(
         "qmoe_jsonl_seq2seq",
-        source=seqio.FunctionDataSource(_jsonl_dataset, splits=[SPLIT]),
+        source=seqio.FunctionDataSource(_jsonl_dataset, splits=["train", "validation", SPLIT]),
         preprocessors=[seqio.preprocessors.tokenize, seqio.preprocessors.append_eos_after_trim],
         output_features=features,
         metric_fns=[score_metrics, exact_match],

@@ -2,11 +2,10 @@
 
 The last test runs stock t5x.eval (google-research/t5x with flaxformer) on an
 export; it needs an environment where ``import t5x, flaxformer`` works (docs/gin.md
-§7 says how to build one) and is skipped elsewhere.
+§9 says how to build one) and is skipped elsewhere (``t5x`` marker).
 """
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import pytest
 from flax import traverse_util
 from helpers.child_process import child_env
 from helpers.json_lines import read_json_lines
+from helpers.t5x_env import main_job_output, missing_reason, source_roots
 
 from qmoe_jax import evaluate as evaluate_cli
 from qmoe_jax import export as export_cli
@@ -29,8 +29,6 @@ from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.inference.scoring import score_examples
 from qmoe_jax.interop.gin_flags import CONFIGS_DIR
 from qmoe_jax.interop.t5x_export import export_t5x
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def flat(tree):
@@ -91,37 +89,17 @@ def test_export_cli_follows_the_output_rules(compressed_tiny, tmp_path, capsys):
     assert (tmp_path / "foreign" / "notes.txt").read_text() == "keep"
 
 
-def _t5x_available() -> bool:
-    try:
-        # Imported only to learn whether they import (F401).
-        import flaxformer  # noqa: F401
-        import t5x  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not _t5x_available(),
-    reason="stock T5X is not installed (import t5x, flaxformer fails); "
-    "docs/gin.md §7 says how to build that environment",
-)
+@pytest.mark.t5x
+@pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))
 def test_stock_t5x_eval_scores_the_export_as_the_compressed_model(tmp_path):
     """Exports the README main job's output, runs ``python -m t5x.eval`` on it with configs/t5x/,
     and compares its per-example scores with qmoe_jax's fused-kernel scores of the compressed
     checkpoint."""
-    import flaxformer
-
-    compressed = os.path.join(REPO, "runs", "compressed", bundled.CONFIG_NAME)
-    if not os.path.isfile(os.path.join(compressed, "manifest.json")):
-        pytest.skip(
-            f"{compressed} is missing: run the README's main job (python -m qmoe_jax.compress) "
-            "first"
-        )
+    compressed = main_job_output()
     written = export_t5x(compressed, str(tmp_path / "export"), log=lambda _: None)
     examples = 64
-    flaxformer_root = os.path.dirname(os.path.dirname(os.path.abspath(flaxformer.__file__)))
+    flaxformer_root, _ = source_roots()
     command = [
         sys.executable,
         "-m",

@@ -1,0 +1,351 @@
+"""flaxformer's Switch MoE layer with its experts on the fused decode-and-multiply kernels.
+
+``CompressedMoeLayer`` is a ``flaxformer.architectures.moe.moe_layers.MoeLayer``
+with the same fields, router, group and capacity rules, dispatch, combine and
+sown metrics; only ``_call_experts`` differs. flaxformer's runs the vmapped
+``MlpBlock`` on dense ``expert/<kernel>/kernel`` parameters; this one runs each
+expert kernel as one ``ops.matmul`` over the codes, which it reads from the
+non-trainable collection ``qmoe_experts`` (``interop/t5x_layout.py``):
+``<layer>/<kernel>/{codes uint16[E, n], row_offsets int32[E, rows+1], minmax
+bfloat16[E, rows, 2]}``, annotated with the logical axes ``('expert',
+'unmodeled', ...)`` so that T5X's MoE partitioner shards them over the mesh's
+``expert`` axis. The layer has no expert parameters, so nothing of the experts
+reaches T5X's optimizer.
+
+The reshapes and sharding constraints around the experts are flaxformer's
+(copied from ``MoeLayer._call_experts``), so that T5X's all-to-alls are
+unchanged; the expert products run under ``jax.shard_map`` over the mesh axes
+of the logical ``expert`` and ``expert_replicas`` axes when the mesh has more
+than one device along them, so that each device decodes only its own experts.
+
+The layer needs each sparse layer's code shapes when T5X initializes the model
+(abstractly, before the checkpoint is read): it reads them, and the layer's
+dictionary, from ``checkpoint`` (the gin macro ``QMOE_CHECKPOINT``) through
+``t5x_layout.read_layout``, which reads manifests and metadata only.
+
+The expert ``MlpBlock`` that flaxformer's gin configures is kept as a
+description of the experts: its ``activations`` (``wi`` or ``wi_0``/``wi_1``),
+``intermediate_dim``, ``intermediate_dropout_rate`` and ``final_dropout_rate``
+are used; it is never called. Import this module only where flaxformer is
+installed; the gin files of ``configs/t5x/`` do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import operator
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from absl import logging
+from flax.linen import partitioning as flax_partitioning
+from flaxformer.architectures.moe import moe_layers
+from flaxformer.components import dense
+
+from qmoe_jax.codec import CompressedExperts
+from qmoe_jax.interop.t5x_layout import (
+    ARRAYS,
+    COLLECTION,
+    KernelLayout,
+    LayerLayout,
+    LayoutError,
+    read_layout,
+)
+from qmoe_jax.kernels import ops
+
+_DTYPES = {"codes": jnp.uint16, "row_offsets": jnp.int32, "minmax": jnp.bfloat16}
+_AXES = {
+    "codes": ("expert", "unmodeled"),
+    "row_offsets": ("expert", "unmodeled"),
+    "minmax": ("expert", "unmodeled", None),
+}
+
+
+class CompressedKernelVariables(nn.Module):
+    """The code arrays of one expert kernel, in the ``qmoe_experts`` collection.
+
+    At initialization they are zeros of the layout's shapes (T5X replaces them
+    with the checkpoint's when it restores); afterwards they must be passed in.
+    """
+
+    kernel: KernelLayout
+    num_experts: int
+
+    @nn.compact
+    def __call__(self) -> CompressedExperts:
+        shapes = self.kernel.shapes(self.num_experts)
+        if not self.is_initializing() and not self.has_variable(COLLECTION, "codes"):
+            raise LayoutError(
+                f"{'/'.join(self.path)}: the compressed experts are missing; they live in the "
+                f"{COLLECTION!r} collection, which must be passed to apply (inside T5X: use the "
+                "model of qmoe_jax.interop.t5x_model, which the gin files of configs/t5x/ bind)"
+            )
+        arrays = {
+            name: flax_partitioning.variable_with_axes(
+                COLLECTION,
+                name,
+                jnp.zeros,
+                shapes[name],
+                _DTYPES[name],
+                axes=_AXES[name],
+            ).value
+            for name in ARRAYS
+        }
+        for name, array in arrays.items():
+            if tuple(array.shape) != shapes[name]:
+                raise LayoutError(
+                    f"{'/'.join(self.path)}/{name} has shape {tuple(array.shape)}, but the layout "
+                    f"says {shapes[name]}; QMOE_CHECKPOINT must name the checkpoint whose codes "
+                    "these are"
+                )
+        return CompressedExperts(
+            arrays["codes"].astype(jnp.uint16),
+            arrays["row_offsets"].astype(jnp.int32),
+            # A restore dtype may have cast the bfloat16 min/max; the values are bfloat16-exact.
+            arrays["minmax"].astype(jnp.bfloat16),
+            self.kernel.cols,
+        )
+
+
+def _activation(name):
+    if name == "linear":
+        return lambda x: x
+    return getattr(nn, name) if isinstance(name, str) else name
+
+
+def _context_mesh() -> jax.sharding.Mesh | None:
+    """The mesh T5X partitions with (its partitioned functions run under ``with mesh:``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty:
+        return mesh
+    from jax._src import mesh as mesh_lib
+
+    physical = mesh_lib.thread_resources.env.physical_mesh
+    return None if physical.empty else physical
+
+
+class CompressedMoeLayer(moe_layers.MoeLayer):
+    """``MoeLayer`` whose experts run from compressed codes on the fused kernels.
+
+    Attributes (besides ``MoeLayer``'s):
+      checkpoint: where the layout of the codes is read (``QMOE_CHECKPOINT``): a
+        compressed directory or a T5X checkpoint of a compressed model.
+    """
+
+    checkpoint: str = ""
+
+    def _layer_layout(self, hidden: int) -> LayerLayout:
+        if not self.checkpoint:
+            raise LayoutError(
+                "CompressedMoeLayer.checkpoint is not set; bind QMOE_CHECKPOINT to the compressed "
+                "directory (the gin files of configs/t5x/ default it to the checkpoint restored)"
+            )
+        expert = self.expert
+        if not isinstance(expert, dense.MlpBlock):
+            raise LayoutError(
+                f"compressed experts are T5 MLPs (dense.MlpBlock); this layer's expert is a "
+                f"{type(expert).__name__}"
+            )
+        for field, value, allowed in (
+            ("use_bias", expert.use_bias, False),
+            ("precomputed_intermediates", expert.precomputed_intermediates, False),
+            ("intermediate_conv", expert.intermediate_conv, None),
+            ("use_aqt", bool(expert.use_aqt), False),
+        ):
+            if value != allowed:
+                raise LayoutError(
+                    f"expert/dense.MlpBlock.{field} = {value!r} is not supported by compressed "
+                    f"experts (Switch Transformers use {allowed!r})"
+                )
+        layout = read_layout(self.checkpoint)
+        name = ".".join(self.path)
+        layer = layout.layer(name)
+        expected = (
+            ["wi"]
+            if len(expert.activations) == 1
+            else [f"wi_{i}" for i in range(len(expert.activations))]
+        )
+        expected.append("wo")
+        problems = []
+        if layer.num_experts != self.num_experts:
+            problems.append(
+                f"NUM_EXPERTS is {self.num_experts}, the checkpoint has {layer.num_experts}"
+            )
+        if sorted(layer.kernel_names()) != sorted(expected):
+            problems.append(
+                f"the expert activations {tuple(expert.activations)} need kernels {expected}, the "
+                f"checkpoint has {list(layer.kernel_names())} (expert/dense.MlpBlock.activations)"
+            )
+        else:
+            out = expert.out_dim or hidden
+            for kernel, (rows, cols) in {
+                **{k: (expert.intermediate_dim, hidden) for k in expected[:-1]},
+                "wo": (out, expert.intermediate_dim),
+            }.items():
+                stored = layer.kernel(kernel)
+                if (stored.rows, stored.cols) != (rows, cols):
+                    problems.append(
+                        f"{kernel} is [{rows}, {cols}] in the model (EMBED_DIM, EXPERT_MLP_DIM) "
+                        f"but [{stored.rows}, {stored.cols}] in the checkpoint"
+                    )
+        if problems:
+            raise LayoutError(
+                f"sparse layer {name} does not match the compressed checkpoint {layout.path}: "
+                + "; ".join(problems)
+            )
+        return layer
+
+    def _call_experts(self, inputs, enable_dropout: bool, **kwargs):
+        """As flaxformer's ``MoeLayer._call_experts`` ([G, E, C, H] in and out), with the
+        experts on the fused kernels."""
+        del kwargs  # decode/prefill: an MLP keeps no cache
+        num_groups, num_experts, capacity, *hidden_dims = inputs.shape
+        inputs_dtype = inputs.dtype
+        inputs = jax.lax.convert_element_type(inputs, self.dtype)
+        inputs = flax_partitioning.with_sharding_constraint(
+            inputs, ("batch", "unmodeled", "length", *self.input_hidden_dims_axes)
+        )
+        if self.num_expert_partitions != num_experts:
+            inputs = inputs.reshape(
+                self.num_expert_partitions,
+                num_groups // num_experts,
+                num_experts // self.num_expert_partitions,
+                num_experts,
+                capacity,
+                *hidden_dims,
+            )
+            inputs = jnp.swapaxes(inputs, 1, 2)
+        inputs = inputs.reshape(
+            num_experts, num_groups // num_experts, num_experts, capacity, *hidden_dims
+        )
+        axes = ("expert", "expert_replicas", "unmodeled", "length", *self.input_hidden_dims_axes)
+        inputs = flax_partitioning.with_sharding_constraint(inputs, axes)
+        inputs = jnp.swapaxes(inputs, 0, 2)
+        inputs = flax_partitioning.with_sharding_constraint(inputs, axes)
+        inputs = inputs.reshape(num_experts, num_groups * capacity, *hidden_dims)
+        inputs = flax_partitioning.with_sharding_constraint(
+            inputs, ("expert", "expert_replicas", "unmodeled")
+        )
+
+        outputs = self._compressed_experts(inputs, enable_dropout)
+
+        output_dims = outputs.shape[2:]
+        outputs = outputs.reshape(num_experts, num_groups, capacity, *output_dims)
+        outputs = flax_partitioning.with_sharding_constraint(
+            outputs, ("expert", "expert_replicas", "length", *self.output_hidden_dims_axes)
+        )
+        outputs = outputs.reshape(
+            num_experts, num_groups // num_experts, num_experts, capacity, *output_dims
+        )
+        axes = ("expert", "expert_replicas", "unmodeled", "length", *self.output_hidden_dims_axes)
+        outputs = flax_partitioning.with_sharding_constraint(outputs, axes)
+        outputs = jnp.swapaxes(outputs, 0, 2)
+        outputs = flax_partitioning.with_sharding_constraint(outputs, axes)
+        if self.num_expert_partitions != num_experts:
+            outputs = outputs.reshape(
+                self.num_expert_partitions,
+                num_experts // self.num_expert_partitions,
+                num_groups // num_experts,
+                num_experts,
+                capacity,
+                *output_dims,
+            )
+            outputs = jnp.swapaxes(outputs, 1, 2)
+        outputs = outputs.reshape(num_groups, num_experts, capacity, *output_dims)
+        outputs = flax_partitioning.with_sharding_constraint(
+            outputs, ("batch", "unmodeled", "length", *self.output_hidden_dims_axes)
+        )
+        return jax.lax.convert_element_type(outputs, inputs_dtype)
+
+    def _compressed_experts(self, x: jax.Array, enable_dropout: bool) -> jax.Array:
+        """The expert MLPs ``[E, T, H] → [E, T, H]``, each kernel one fused call for all experts."""
+        expert = self.expert
+        layer = self._layer_layout(x.shape[-1])
+        dictionary = read_layout(self.checkpoint).dictionary(layer.dictionary)
+        weights = {
+            kernel: CompressedKernelVariables(shape, layer.num_experts, name=kernel)()
+            for kernel, shape in layer.kernels
+        }
+        if self.is_initializing():
+            # Initialization only declares the variables; zero codes are not valid code streams.
+            return jnp.zeros_like(x)
+        matmul = self._expert_matmul()
+
+        def project(kernel: str, tokens: jax.Array) -> jax.Array:
+            return matmul(weights[kernel], tokens, dictionary)
+
+        names = (
+            ["wi"]
+            if len(expert.activations) == 1
+            else [f"wi_{i}" for i in range(len(expert.activations))]
+        )
+        hidden = functools.reduce(
+            operator.mul,
+            [_activation(act)(project(name, x)) for name, act in zip(names, expert.activations)],
+        )
+        # MlpBlock's dropouts: each expert's mask is broadcast along its tokens.
+        hidden = nn.Dropout(rate=expert.intermediate_dropout_rate, broadcast_dims=(-2,))(
+            hidden, deterministic=not enable_dropout
+        )
+        out = project("wo", hidden)
+        return nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
+            out, deterministic=not enable_dropout
+        )
+
+    def _expert_matmul(self):
+        """``ops.matmul``, expert-local under ``jax.shard_map`` when the experts are sharded."""
+        mesh = _context_mesh()
+        if mesh is None:
+            return ops.matmul
+        spec = flax_partitioning.logical_to_mesh_axes(("expert", "expert_replicas", "unmodeled"))
+        experts_axis, replicas_axis = (spec[0], spec[1]) if spec is not None else (None, None)
+
+        def size(axis) -> int:
+            names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+            return math.prod(mesh.shape[n] for n in names)
+
+        if size(experts_axis) * size(replicas_axis) == 1:
+            return ops.matmul
+        logging.info(
+            "qmoe_jax: compressed experts of %s run expert-locally over mesh axes %s (%d devices) "
+            "and %s (%d devices)",
+            ".".join(self.path),
+            experts_axis,
+            size(experts_axis),
+            replicas_axis,
+            size(replicas_axis),
+        )
+        weights_spec = jax.sharding.PartitionSpec(experts_axis)
+        tokens_spec = jax.sharding.PartitionSpec(experts_axis, replicas_axis)
+
+        def sharded(w: CompressedExperts, x: jax.Array, dictionary) -> jax.Array:
+            # check_vma=False: FFI results carry no varying-axes type (as ops.expert_parallel).
+            return jax.shard_map(
+                lambda w, x: ops.matmul(w, x, dictionary),
+                mesh=mesh,
+                in_specs=(weights_spec, tokens_spec),
+                out_specs=tokens_spec,
+                check_vma=False,
+            )(w, x)
+
+        return sharded
+
+
+def compressed_moe_layer(layer: moe_layers.MoeLayer, checkpoint: str) -> CompressedMoeLayer:
+    """``layer`` (flaxformer's gin-configured ``MoeLayer``) as a ``CompressedMoeLayer``.
+
+    Every field of ``layer`` carries over, so flaxformer's gin files and the
+    user's overrides of ``moe_layers.MoeLayer`` configure the compressed layer
+    as they configure the dense one.
+    """
+    if not isinstance(layer, moe_layers.MoeLayer):
+        raise TypeError(f"expected a flaxformer MoeLayer, got {type(layer).__name__}")
+    fields = {
+        f.name: getattr(layer, f.name)
+        for f in dataclasses.fields(layer)
+        if f.init and f.name not in ("parent", "name", "checkpoint")
+    }
+    return CompressedMoeLayer(**fields, checkpoint=checkpoint)

@@ -1,0 +1,243 @@
+"""The compressed MoE layer inside flaxformer (interop/t5x_moe.py) against flaxformer's own MoeLayer
+on the dequantized experts, and the gin files that swap it into flaxformer's Switch models."""
+
+import dataclasses
+import os
+
+import pytest
+from helpers.t5x_env import skip_without_t5x, source_roots
+
+skip_without_t5x()
+
+import flax.linen as nn  # noqa: E402
+import gin  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import traverse_util  # noqa: E402
+from flaxformer.architectures.moe import moe_layers, routing  # noqa: E402
+from flaxformer.components import dense  # noqa: E402
+
+from qmoe_jax.inference.compressed_params import load_compressed_model  # noqa: E402
+from qmoe_jax.interop.gin_flags import CONFIGS_DIR  # noqa: E402
+from qmoe_jax.interop.t5x_layout import COLLECTION, LayoutError, read_layout  # noqa: E402
+from qmoe_jax.interop.t5x_moe import CompressedMoeLayer, compressed_moe_layer  # noqa: E402
+
+pytestmark = pytest.mark.t5x
+
+
+class Block(nn.Module):
+    mlp: nn.Module
+
+    def __call__(self, x, enable_dropout):
+        return self.mlp(x, enable_dropout=enable_dropout)
+
+
+class Stack(nn.Module):
+    layers_1: nn.Module
+
+    def __call__(self, x, enable_dropout):
+        return self.layers_1(x, enable_dropout)
+
+
+class Root(nn.Module):
+    """Puts a layer at ``encoder/layers_1/mlp``, where the tiny model's sparse layer is."""
+
+    encoder: nn.Module
+
+    def __call__(self, x, enable_dropout=False):
+        return self.encoder(x, enable_dropout)
+
+
+def at_sparse_layer(layer):
+    return Root(Stack(Block(layer)))
+
+
+def flaxformer_layer(config, activations=("relu",)):
+    """flaxformer's MoeLayer configured as switch_base.gin configures it, at ``config``'s shape."""
+    router = routing.TokensChooseMaskedRouter(
+        router_weights=routing.RouterWeights(use_bias=False, dtype=jnp.float32),
+        num_selected_experts=1,
+        jitter_noise=0.0,
+        batch_prioritized_routing=False,
+        ignore_padding_tokens=False,
+        dtype=jnp.float32,
+    )
+    expert = dense.MlpBlock(
+        use_bias=False,
+        intermediate_dim=config.d_ff,
+        activations=activations,
+        intermediate_dropout_rate=0.0,
+        final_dropout_rate=0.0,
+        dtype=jnp.float32,
+    )
+    return moe_layers.MoeLayer(
+        num_experts=config.num_experts,
+        max_group_size=config.group_size,
+        train_capacity_factor=config.train_capacity_factor,
+        eval_capacity_factor=config.eval_capacity_factor,
+        expert=expert,
+        router=router,
+        num_expert_partitions=config.num_experts,
+        num_model_partitions=1,
+        min_expert_capacity=config.min_expert_capacity,
+        dropout_rate=0.0,
+        dtype=jnp.float32,
+    )
+
+
+def layer_variables(directory):
+    """(flaxformer's variables with dequantized experts, the compressed layer's variables)."""
+    dense_model = load_compressed_model(directory, experts="dense")
+    compressed = load_compressed_model(directory, experts="compressed")
+    name = ("encoder", "layers_1", "mlp")
+    mlp = dense_model.params["encoder"]["layers_1"]["mlp"]
+    dense_params = {"router": mlp["router"], "expert": mlp["expert"]}
+    codes = {
+        kernel: {"codes": w.codes, "row_offsets": w.row_offsets, "minmax": w.minmax}
+        for kernel, w in compressed.params["encoder"]["layers_1"]["mlp"]["expert"].items()
+    }
+
+    def nest(tree):
+        return traverse_util.unflatten_dict({name: tree})
+
+    return (
+        {"params": nest(dense_params)},
+        {"params": nest({"router": mlp["router"]}), COLLECTION: nest(codes)},
+        dense_model.config,
+    )
+
+
+@pytest.mark.parametrize("enable_dropout", [False, True], ids=["eval", "train capacity"])
+def test_compressed_layer_equals_flaxformer_layer_on_the_dequantized_experts(
+    compressed_tiny, enable_dropout
+):
+    _, directory, _ = compressed_tiny
+    dense_vars, compressed_vars, config = layer_variables(directory)
+    # A capacity small enough that tokens drop: the dispatch must be flaxformer's.
+    config = dataclasses.replace(
+        config, eval_capacity_factor=0.5, train_capacity_factor=0.75, min_expert_capacity=1
+    )
+    stock = flaxformer_layer(config)
+    ours = compressed_moe_layer(stock, directory)
+    assert isinstance(ours, CompressedMoeLayer) and isinstance(ours, moe_layers.MoeLayer)
+    x = jax.random.normal(jax.random.PRNGKey(3), (8, 40, config.d_model), jnp.float32)
+    rngs = {"dropout": jax.random.PRNGKey(0)}
+    want, want_state = at_sparse_layer(stock).apply(
+        dense_vars, x, enable_dropout, rngs=rngs, mutable=["intermediates"]
+    )
+    got, got_state = at_sparse_layer(ours).apply(
+        compressed_vars, x, enable_dropout, rngs=rngs, mutable=["intermediates"]
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    metrics = traverse_util.flatten_dict(want_state["intermediates"], sep="/")
+    assert metrics["encoder/layers_1/mlp/fraction_tokens_left_behind"][0] > 0  # drops happened
+    for path, value in traverse_util.flatten_dict(got_state["intermediates"], sep="/").items():
+        np.testing.assert_allclose(value[0], metrics[path][0], rtol=1e-6, err_msg=path)
+
+    # Gradients (fine-tuning): to the input and to the router, with the experts frozen.
+    want_grads = gradients(stock, dense_vars, x, enable_dropout)
+    got_grads = gradients(ours, compressed_vars, x, enable_dropout)
+    for want_g, got_g in zip(want_grads, got_grads):
+        np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
+
+
+ROUTER = ("encoder", "layers_1", "mlp", "router", "router_weights", "w", "kernel")
+
+
+def gradients(layer, variables, x, enable_dropout):
+    flat = traverse_util.flatten_dict(variables["params"])
+
+    def f(x, kernel):
+        params = traverse_util.unflatten_dict({**flat, ROUTER: kernel})
+        out = at_sparse_layer(layer).apply(
+            {**variables, "params": params},
+            x,
+            enable_dropout,
+            rngs={"dropout": jax.random.PRNGKey(0)},
+        )
+        return jnp.sum(jnp.sin(out))
+
+    return jax.grad(f, argnums=(0, 1))(x, flat[ROUTER])
+
+
+def test_compressed_layer_declares_codes_in_their_own_collection_with_expert_axes(compressed_tiny):
+    _, directory, _ = compressed_tiny
+    layout = read_layout(directory)
+    config = load_compressed_model(directory).config
+    module = at_sparse_layer(compressed_moe_layer(flaxformer_layer(config), directory))
+    shapes = jax.eval_shape(
+        module.init, jax.random.PRNGKey(0), jnp.ones((2, 8, config.d_model), jnp.float32)
+    )
+    assert not any("expert" in "/".join(k) for k in traverse_util.flatten_dict(shapes["params"]))
+    codes = traverse_util.flatten_dict(shapes[COLLECTION], sep="/")
+    layer = layout.layer("encoder.layers_1.mlp")
+    for kernel, kernel_layout in layer.kernels:
+        for array, shape in kernel_layout.shapes(layer.num_experts).items():
+            assert codes[f"encoder/layers_1/mlp/{kernel}/{array}"].shape == shape
+    axes = traverse_util.flatten_dict(shapes[COLLECTION + "_axes"], sep="/")
+    assert axes["encoder/layers_1/mlp/wi/codes_axes"].names == ("expert", "unmodeled")
+    assert axes["encoder/layers_1/mlp/wo/minmax_axes"].names == ("expert", "unmodeled", None)
+
+
+def test_compressed_layer_names_what_disagrees_with_the_checkpoint(compressed_tiny):
+    _, directory, _ = compressed_tiny
+    config = load_compressed_model(directory).config
+    x = jnp.ones((2, 8, config.d_model), jnp.float32)
+    for changes, activations, message in [
+        ({"num_experts": 8}, ("relu",), "NUM_EXPERTS is 8, the checkpoint has 4"),
+        ({"d_ff": 96}, ("relu",), "wi is [96, 32] in the model"),
+        ({}, ("gelu", "linear"), "need kernels ['wi_0', 'wi_1', 'wo']"),
+    ]:
+        stock = flaxformer_layer(dataclasses.replace(config, **changes), activations)
+        module = at_sparse_layer(compressed_moe_layer(stock, directory))
+        with pytest.raises(LayoutError, match=message.replace("[", r"\[").replace("]", r"\]")):
+            module.init(jax.random.PRNGKey(0), x)
+    module = at_sparse_layer(compressed_moe_layer(flaxformer_layer(config), directory))
+    variables = module.init(jax.random.PRNGKey(0), x)
+    with pytest.raises(LayoutError, match="'qmoe_experts' collection, which must be passed"):
+        module.apply({"params": variables["params"]}, x)
+    with pytest.raises(LayoutError, match="holds no compressed experts"):
+        read_layout(os.path.dirname(directory))
+
+
+def parse_switch_gin(model_gin: str, checkpoint: str) -> None:
+    flaxformer_root, t5x_root = source_roots()
+    gin.clear_config()
+    for path in (flaxformer_root, t5x_root, CONFIGS_DIR):
+        gin.add_config_file_search_path(path)
+    gin.parse_config_files_and_bindings(
+        [model_gin, "t5x/compressed_eval.gin"],
+        [f"CHECKPOINT_PATH = '{checkpoint}'", "NUM_MODEL_PARTITIONS = 1"],
+    )
+
+
+@pytest.mark.parametrize("model", ["base", "large", "xxl", "c"])
+def test_gin_swaps_the_compressed_layer_into_flaxformers_switch_models(model, tmp_path):
+    from t5x.contrib.moe import models
+
+    from qmoe_jax.interop.t5x_model import CompressedMoeModel
+
+    parse_switch_gin(f"flaxformer/t5x/configs/moe/models/switch_{model}.gin", str(tmp_path))
+    try:
+        built = gin.query_parameter("%MODEL").scoped_configurable_fn()
+        assert isinstance(built, CompressedMoeModel) and isinstance(
+            built, models.MoeEncoderDecoderModel
+        )
+        layer = gin.query_parameter(
+            "moe_architecture.SparseEncoderLayer.mlp"
+        ).scoped_configurable_fn()
+        assert isinstance(layer, CompressedMoeLayer)
+        # flaxformer's bindings carry over: switch_{base,...}.gin's capacity and experts.
+        expected = {"base": (128, 2), "large": (128, 2), "xxl": (128, 4), "c": (2048, 2)}[model]
+        assert (layer.num_experts, layer.eval_capacity_factor) == expected
+        assert layer.checkpoint == str(tmp_path)
+        assert not layer.router.batch_prioritized_routing
+        decoder_layer = gin.query_parameter(
+            "moe_architecture.SparseDecoderLayer.mlp"
+        ).scoped_configurable_fn()
+        assert isinstance(decoder_layer, CompressedMoeLayer)
+        gated = model == "xxl"
+        assert len(layer.expert.activations) == (2 if gated else 1)
+    finally:
+        gin.clear_config()
