@@ -108,7 +108,7 @@ def lost_manifest(directory: str) -> bool:
         return False
     return (
         MANIFEST not in names
-        and names <= OWN_ENTRIES
+        and all(name in OWN_ENTRIES or DENSE_TEMPORARY.match(name.rstrip("/")) for name in names)
         and all(LAYER_DIRECTORY.match(name) for name in layers)
         and all(DICTIONARY_DIRECTORY.match(name) for name in dictionaries)
         and any(

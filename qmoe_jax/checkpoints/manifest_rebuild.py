@@ -21,7 +21,6 @@ against the run, so such a directory is not rebuilt; the error says so.
 
 from __future__ import annotations
 
-import json
 import os
 
 from qmoe_jax.checkpoints.format_v1 import (
@@ -74,8 +73,8 @@ def rebuilt_manifest(directory: str) -> tuple[dict, list[str]]:
             directory,
             "its layer records were written by an older qmoe_jax, without the run's settings",
         )
-    headers = {json.dumps(record[RUN_HEADER], sort_keys=True) for record in kept.values()}
-    if len(headers) > 1:
+    headers = [record[RUN_HEADER] for record in kept.values()]
+    if any(header != headers[0] for header in headers):
         raise _cannot(directory, "its layers were written by runs with different settings")
     dictionaries: dict[str, dict] = {}
     zeroed: dict[str, int] = {}
