@@ -47,8 +47,9 @@ needs_gpu = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reas
 
 def test_cuda_targets_registered_iff_built_with_cuda():
     registrations = qmoe_jax_ext.registrations()
-    # GPTQ's block kernel and the Cholesky's base kernel are CPU-only
-    assert set(registrations["cpu"]) == TARGETS | {"qmoe_gptq_block", "qmoe_cholesky_base"}
+    # GPTQ's block kernel, the Cholesky's base kernel and the packed dense product are CPU-only
+    cpu_only = {"qmoe_gptq_block", "qmoe_cholesky_base", "qmoe_dense_matmul"}
+    assert set(registrations["cpu"]) == TARGETS | cpu_only
     assert ("CUDA" in registrations) == ops.has_cuda_kernels()
     if ops.has_cuda_kernels():
         assert set(registrations["CUDA"]) == TARGETS
