@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from qmoe_jax.checkpoints import strict_json
+from qmoe_jax.checkpoints.format_v1 import layer_order
 
 DICTIONARY_BYTES = 65536 * 2 * 4
 
@@ -36,6 +37,11 @@ def build_report(
 ) -> dict:
     """Summarizes a finished compressed checkpoint's manifest.
 
+    The layers are listed in the order the calibration pass visits them (encoder first, by index),
+    whatever the manifest's order: a manifest read back from disk has its layers in key order
+    (``write_json_atomic`` sorts them), so a resumed run's would otherwise differ from a clean
+    run's.
+
     Args:
       total_parameters: parameters of the whole model; expert_parameters: of its expert kernels.
       seconds: wall time per stage of the run.
@@ -44,7 +50,7 @@ def build_report(
     grid = header["grid"]
     experts = header["model"]["num_experts"]
     layers, expert_bits = [], 0.0
-    for name, record in manifest["layers"].items():
+    for name, record in sorted(manifest["layers"].items(), key=lambda item: layer_order(item[0])):
         stats = record["stats"]
         kernels = stats["kernels"]
         bits = sum(_kernel_bits(k, experts, grid) for k in kernels.values())
