@@ -80,13 +80,13 @@ export PYTHONUNBUFFERED=1
 
 phase "tests on the GPU: tests/kernels/test_ops_cuda.py"
 XLA_PYTHON_CLIENT_PREALLOCATE=false run_logged tests_cuda 210 \
-  "$python" -m pytest -q -p no:cacheprovider -rs tests/kernels/test_ops_cuda.py
+  "$python" -m pytest -q -p no:cacheprovider -m "" -rs tests/kernels/test_ops_cuda.py
 
 phase "CPU op and native GPTQ tests (JAX_PLATFORMS=cpu), every instruction set of this CPU"
 grep -m1 "model name" /proc/cpuinfo || true
 JAX_PLATFORMS=cpu "$python" -c "from qmoe_jax.kernels import ops; print('CPU kernels:', ops.cpu_isas())" || status=1
 JAX_PLATFORMS=cpu run_logged tests_cpu 180 \
-  "$python" -m pytest -q -p no:cacheprovider tests/kernels/test_ops.py tests/kernels/test_ops_fuzz.py \
+  "$python" -m pytest -q -p no:cacheprovider -m "" tests/kernels/test_ops.py tests/kernels/test_ops_fuzz.py \
   tests/quant/test_quant_gptq_native.py tests/quant/test_quant_linalg_native.py
 
 phase "CPU matvec per instruction set (benchmarks/matvec_scaling.py --isas): is AVX-512 or AVX2 faster here?"
