@@ -49,10 +49,30 @@ def load_t5x_params(
     return pack_dense_params(params, dense_dtype, dtype)
 
 
+def _layer_count(paths, stack: str) -> int:
+    return len({path.split("/")[1] for path in paths if path.startswith(f"{stack}/layers_")})
+
+
+def _may_fit(config: SwitchConfig, found: dict[str, tuple]) -> bool:
+    """Whether ``config`` passes checks that are necessary for it to fit shapes ``found`` and cost
+    nothing: the embedding's shape and the depth of each stack. What passes is then compared in
+    full, which traces the model (about a second per config)."""
+    return (
+        found.get("token_embedder/embedding") == (config.vocab_size, config.d_model)
+        and _layer_count(found, "encoder") == config.num_encoder_layers
+        and _layer_count(found, "decoder") == config.num_decoder_layers
+    )
+
+
 def fitting_configs(checkpoint: T5XCheckpoint) -> list[str]:
     """The registered configs whose parameter shapes the checkpoint has."""
     found = {path: info.shape for path, info in checkpoint.spec().items()}
-    return [name for name in config_names() if path_shapes(param_shapes(get_config(name))) == found]
+    return [
+        name
+        for name in config_names()
+        if _may_fit(get_config(name), found)
+        and path_shapes(param_shapes(get_config(name))) == found
+    ]
 
 
 def check_config(checkpoint: T5XCheckpoint, config: SwitchConfig) -> None:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 from helpers.child_process import popen_python, run_python
-from helpers.compression_runs import all_arrays, assert_same_arrays, options
+from helpers.compression_runs import all_arrays, assert_same_arrays, flip_bytes, options
 from helpers.switch_fixtures import TINY, random_params, write_c4_shard, write_tiny_checkpoint
 from helpers.text import synthetic_sentences
 
@@ -85,18 +85,6 @@ def cli_error(argv, capsys, main=compress.main) -> str:
     assert exited.value.code == 1, err
     assert "Traceback" not in err and err.startswith("error: "), err
     return err
-
-
-def flip_bytes(tree) -> None:
-    """Flips the middle byte of every data file of the Orbax tree ``tree``, leaving their sizes as
-    they were."""
-    data = os.path.join(tree, "ocdbt.process_0", "d")
-    for name in os.listdir(data):
-        with open(os.path.join(data, name), "r+b") as f:
-            f.seek(os.path.getsize(f.name) // 2)
-            byte = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte ^ 0x10]))
 
 
 def test_unrelated_directory_is_refused_with_its_files_intact(

@@ -9,7 +9,7 @@ import shutil
 import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
-from helpers.compression_runs import all_arrays, assert_same_arrays, options
+from helpers.compression_runs import all_arrays, assert_same_arrays, flip_bytes, options
 from helpers.switch_fixtures import TINY
 
 from qmoe_jax import evaluate, generate
@@ -28,18 +28,6 @@ def reference(tiny_setup, tmp_path_factory):
     directory = tmp_path_factory.mktemp("reference") / "out"
     compress_checkpoint(options(tiny_setup, directory), **QUIET)
     return directory
-
-
-def flip_bytes(tree) -> None:
-    """Flips the middle byte of every data file of the Orbax tree ``tree``, leaving their sizes as
-    they were."""
-    data = os.path.join(tree, "ocdbt.process_0", "d")
-    for name in os.listdir(data):
-        with open(os.path.join(data, name), "r+b") as f:
-            f.seek(os.path.getsize(f.name) // 2)
-            byte = f.read(1)[0]
-            f.seek(-1, os.SEEK_CUR)
-            f.write(bytes([byte ^ 0x10]))
 
 
 def assert_same_output(output, reference) -> None:
@@ -70,8 +58,10 @@ def test_same_size_damage_in_dense_is_repaired_by_a_re_run(tiny_setup, reference
     shutil.copytree(reference, output)
     flip_bytes(output / "dense")
     lines = rerun(tiny_setup, output, verify=verify)
+    # A checksum mismatch or an unreadable chunk, depending on where the flips landed.
     assert any(
-        line.startswith("repairing dense/: dense parameters: checksum mismatch") for line in lines
+        line.startswith("repairing dense/: ") and line.endswith("; it is rewritten from the source")
+        for line in lines
     ), lines
     assert_same_output(output, reference)
 

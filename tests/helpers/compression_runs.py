@@ -1,5 +1,7 @@
-"""Compression runs of the tiny model in tests: options, and every array of a compressed
-directory."""
+"""Compression runs of the tiny model in tests: options, every array of a compressed
+directory, and same-size damage to its Orbax trees."""
+
+import os
 
 import numpy as np
 
@@ -38,3 +40,22 @@ def assert_same_arrays(a, b):
                     np.asarray(b[layer][kernel][key]),
                     err_msg=f"{layer}/{kernel}/{key}",
                 )
+
+
+def flip_bytes(tree) -> None:
+    """Flips the middle byte of every data file of the Orbax tree ``tree``, leaving their sizes as
+    they were.
+
+    Which arrays a data file holds, and whether its middle byte lies in array bytes, a compressed
+    chunk's header or an unreferenced B-tree node, depends on how the asynchronous write batched
+    them. So a reader sees a checksum mismatch or an unreadable chunk (or, for some files,
+    nothing); tests must accept either error."""
+    for directory, _, names in os.walk(tree):
+        if os.path.basename(directory) != "d":
+            continue
+        for name in names:
+            with open(os.path.join(directory, name), "r+b") as f:
+                f.seek(os.path.getsize(f.name) // 2)
+                byte = f.read(1)[0]
+                f.seek(-1, os.SEEK_CUR)
+                f.write(bytes([byte ^ 0x10]))
