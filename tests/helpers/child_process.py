@@ -4,9 +4,16 @@
 child's qmoe_jax would depend on where it starts. Children start in the tests
 directory, with the directory that holds the test process's qmoe_jax first on
 PYTHONPATH, then the tests directory (for ``helpers``).
+
+A child started with ``popen_python`` takes Ctrl-C as a command started from a
+terminal does. A shell without job control starts background jobs with
+SIGINT ignored, and the ignoring is inherited down to pytest's children,
+where Python then installs no ``KeyboardInterrupt`` handler: a test that
+interrupts a child would see it run to the end.
 """
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -39,11 +46,17 @@ def run_python(args: list[str], *, timeout: float, **extra_env: str) -> subproce
 
 
 def popen_python(args: list[str], **extra_env: str) -> subprocess.Popen:
-    """`python *args` started in a child, stdout and stderr merged into one pipe."""
+    """`python *args` started in a child, stdout and stderr merged into one pipe, with SIGINT's
+    default action (module docstring)."""
     return subprocess.Popen(
         [sys.executable, *args],
         env=child_env(**extra_env),
         cwd=TESTS_DIR,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
