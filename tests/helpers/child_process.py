@@ -48,15 +48,16 @@ def run_python(args: list[str], *, timeout: float, **extra_env: str) -> subproce
 def popen_python(args: list[str], **extra_env: str) -> subprocess.Popen:
     """`python *args` started in a child, stdout and stderr merged into one pipe, with SIGINT's
     default action (module docstring)."""
-    return subprocess.Popen(
-        [sys.executable, *args],
-        env=child_env(**extra_env),
-        cwd=TESTS_DIR,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        preexec_fn=_default_sigint,
-    )
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    # A signal with a handler is reset to its default action in the child; an ignored one stays
+    # ignored. So SIGINT gets a handler while the child starts.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return subprocess.Popen(
+            [sys.executable, *args],
+            env=child_env(**extra_env),
+            cwd=TESTS_DIR,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
