@@ -9,6 +9,7 @@ parameters, the experts in the form asked for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -56,12 +57,19 @@ def _layer_count(paths, stack: str) -> int:
 def _may_fit(config: SwitchConfig, found: dict[str, tuple]) -> bool:
     """Whether ``config`` passes checks that are necessary for it to fit shapes ``found`` and cost
     nothing: the embedding's shape and the depth of each stack. What passes is then compared in
-    full, which traces the model (about a second per config)."""
+    full (``_registered_shapes``)."""
     return (
         found.get("token_embedder/embedding") == (config.vocab_size, config.d_model)
         and _layer_count(found, "encoder") == config.num_encoder_layers
         and _layer_count(found, "decoder") == config.num_decoder_layers
     )
+
+
+@functools.cache
+def _registered_shapes(name: str) -> dict:
+    """The parameter shapes of the registered config ``name``, traced once per process: tracing a
+    model's ``init`` costs about a second, and the registry is fixed at import."""
+    return path_shapes(param_shapes(get_config(name)))
 
 
 def fitting_configs(checkpoint: T5XCheckpoint) -> list[str]:
@@ -70,8 +78,7 @@ def fitting_configs(checkpoint: T5XCheckpoint) -> list[str]:
     return [
         name
         for name in config_names()
-        if _may_fit(get_config(name), found)
-        and path_shapes(param_shapes(get_config(name))) == found
+        if _may_fit(get_config(name), found) and _registered_shapes(name) == found
     ]
 
 
