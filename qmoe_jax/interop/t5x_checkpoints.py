@@ -42,7 +42,7 @@ from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 from qmoe_jax.interop.t5x_layout import (
     COLLECTION,
     LayoutError,
-    is_compressed_directory,
+    compressed_directory,
     read_layout,
     write_sidecar,
 )
@@ -63,10 +63,11 @@ def _place(array: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 class CompressedCheckpointManager(checkpoints.OrbaxCheckpointManagerInterface):
     """T5X's Orbax checkpoint manager that also restores qmoe_jax compressed directories.
 
-    Constructed by T5X with its usual arguments. When ``directory`` itself is a
+    Constructed by T5X with its usual arguments. When ``directory`` names a
     compressed directory (``t5x.eval``/``t5x.infer`` make the manager on
-    ``CHECKPOINT_PATH``) the manager only restores, and creates no Orbax
-    manager there, so nothing is written into the compressed directory.
+    ``CHECKPOINT_PATH``, the directory or ``<it>/checkpoint_<step>``) the
+    manager only restores, and creates no Orbax manager there, so nothing is
+    written into the compressed directory.
     """
 
     def __init__(self, directory, train_state, partitioner, *, checkpoint: str = "", **kwargs):
@@ -76,8 +77,8 @@ class CompressedCheckpointManager(checkpoints.OrbaxCheckpointManagerInterface):
         self._qmoe_train_state = train_state
         self._qmoe_partitioner = partitioner
         self._qmoe_restore_dtype = kwargs.get("restore_dtype")
-        self._qmoe_directory = os.fspath(directory)
-        self._qmoe_read_only = is_compressed_directory(self._qmoe_directory)
+        self._qmoe_directory = compressed_directory(os.fspath(directory))
+        self._qmoe_read_only = self._qmoe_directory is not None
         if not self._qmoe_read_only:
             super().__init__(directory, train_state, partitioner, **kwargs)
 
@@ -138,13 +139,14 @@ class CompressedCheckpointManager(checkpoints.OrbaxCheckpointManagerInterface):
     ):
         if path is None and step is None and self._qmoe_read_only:
             path = self._qmoe_directory
-        if path is not None and is_compressed_directory(os.fspath(path)):
+        compressed = None if path is None else compressed_directory(os.fspath(path))
+        if compressed is not None:
             if state_transformation_fns:
                 raise ValueError(
                     "state_transformation_fns (e.g. an assignment_map) are not applied to a "
                     f"compressed directory ({path}); restore it without them"
                 )
-            return self._restore_compressed(os.fspath(path))
+            return self._restore_compressed(compressed)
         return super().restore(
             step, path, fallback_state, state_transformation_fns, lazy_parameters
         )

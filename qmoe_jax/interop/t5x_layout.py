@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import shutil
 
 import numpy as np
@@ -56,6 +57,7 @@ SIDECAR = "qmoe_jax"
 SIDECAR_LAYOUT = "layout.json"
 SIDECAR_FORMAT = "qmoe_jax.t5x_compressed_state"
 SIDECAR_VERSION = 1
+STEP_NAME = re.compile(r"checkpoint_(\d+)")
 
 
 class LayoutError(ValueError):
@@ -181,18 +183,45 @@ def is_compressed_directory(path: str) -> bool:
     return manifest is not None and manifest.get("format") == COMPRESSED_FORMAT
 
 
+def compressed_directory(path: str) -> str | None:
+    """The compressed directory ``path`` names, or None.
+
+    ``path`` is the directory itself, or ``<directory>/checkpoint_<step>`` with
+    the directory's step (§4 of docs/gin.md): T5X names a checkpoint by its step,
+    and ``t5x.eval`` reads the step from the end of ``CHECKPOINT_PATH`` when it
+    records what it evaluated, so that form suits T5X's flags.
+    """
+    path = os.path.abspath(str(path).rstrip("/"))
+    if is_compressed_directory(path):
+        return path
+    parent, name = os.path.split(path)
+    match = STEP_NAME.fullmatch(name)
+    if match is None or not is_compressed_directory(parent):
+        return None
+    from qmoe_jax.interop.steps import checkpoint_step
+
+    step = checkpoint_step(parent)
+    if int(match.group(1)) != step:
+        raise LayoutError(
+            f"{path} names step {match.group(1)} of the compressed checkpoint {parent}, whose step "
+            f"is {step}; use {os.path.join(parent, f'checkpoint_{step}')} or {parent}"
+        )
+    return parent
+
+
 def has_sidecar(path: str) -> bool:
     """Whether ``path`` is a T5X step directory with qmoe_jax's layout of its compressed experts."""
     return os.path.isfile(os.path.join(path, SIDECAR, SIDECAR_LAYOUT))
 
 
 def read_layout(path: str) -> CompressedLayout:
-    """The layout at ``path``: a compressed directory, or a T5X checkpoint with ``qmoe_jax/``.
+    """The layout at ``path``: a compressed directory (or ``<it>/checkpoint_<step>``,
+    ``compressed_directory``), or a T5X checkpoint with ``qmoe_jax/``.
 
     Cached per path and manifest modification time, so every layer of a model
     shares one read.
     """
-    path = os.path.abspath(str(path).rstrip("/"))
+    path = compressed_directory(path) or os.path.abspath(str(path).rstrip("/"))
     for marker in (os.path.join(path, MANIFEST), os.path.join(path, SIDECAR, SIDECAR_LAYOUT)):
         if os.path.isfile(marker):
             return _read_layout(path, os.stat(marker).st_mtime_ns)

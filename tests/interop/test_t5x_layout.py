@@ -24,6 +24,7 @@ from qmoe_jax.interop.t5x_layout import (
     SIDECAR,
     SIDECAR_LAYOUT,
     LayoutError,
+    compressed_directory,
     has_sidecar,
     read_layout,
     write_sidecar,
@@ -50,6 +51,12 @@ def test_layout_of_a_compressed_directory_has_every_layers_code_shapes(compresse
         layout.layer("encoder.layers_0.mlp")
     with pytest.raises(LayoutError, match="holds no compressed experts"):
         read_layout(os.path.dirname(directory))
+    # T5X's form, <directory>/checkpoint_<step>, names the directory at its own step only.
+    assert compressed_directory(os.path.join(directory, "checkpoint_1")) == directory
+    assert read_layout(os.path.join(directory, "checkpoint_1")) is layout
+    assert compressed_directory(os.path.dirname(directory)) is None
+    with pytest.raises(LayoutError, match="names step 2 of the compressed checkpoint"):
+        compressed_directory(os.path.join(directory, "checkpoint_2"))
 
 
 def write_t5x_state(directory: str, compressed: str, step: int = 7) -> str:

@@ -123,7 +123,8 @@ def one_device(setup):
     """t5x.eval of the mixture on the compressed checkpoint, and the checkpoint's files before."""
     compressed, _ = setup
     before = tree_digest(compressed)
-    out, _ = t5x_eval(setup, "eval_1_device", compressed)
+    # T5X names a checkpoint by its step: <compressed dir>/checkpoint_<step> is the directory.
+    out, _ = t5x_eval(setup, "eval_1_device", os.path.join(compressed, f"checkpoint_{STEP}"))
     return out, before
 
 
