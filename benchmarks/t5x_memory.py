@@ -27,8 +27,11 @@ Needs a T5X environment (docs/gin.md §9) with qmoe_jax installed, about 2 × th
 free memory for the export's run (switch-base-64: about 7 GB in bfloat16), and disk for both
 checkpoints. Timings are not reported: they are not the point, and the machine may be shared.
 
-    python benchmarks/t5x_memory.py [--work_dir benchmarks/results/t5x_memory] [--num_experts 64]
+    python benchmarks/t5x_memory.py [--work_dir runs/benchmarks/t5x_memory] [--num_experts 64]
         [--examples 8] [--keep]
+
+The figures go to benchmarks/results/t5x_memory.json, with the machine facts of
+benchmarks/common.py.
 """
 
 from __future__ import annotations
@@ -47,8 +50,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 P0 = 0.885
 
 sys.path[:0] = [REPO, os.path.join(REPO, "benchmarks")]  # this checkout's qmoe_jax and helpers
+from common import work_dir, write_result  # noqa: E402
 from inference import random_dense  # noqa: E402  (the inference benchmark's synthetic parameters)
-from machine import cpu_model  # noqa: E402
 
 
 def base_shaped(num_experts: int):
@@ -172,9 +175,7 @@ def measured(command: list[str], env: dict, log: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--work_dir", default=os.path.join(REPO, "benchmarks", "results", "t5x_memory")
-    )
+    parser.add_argument("--work_dir", default=work_dir("t5x_memory"))
     parser.add_argument("--num_experts", type=int, default=64)
     parser.add_argument("--examples", type=int, default=8)
     parser.add_argument(
@@ -211,7 +212,6 @@ def main() -> None:
         shutil.rmtree(compressed, ignore_errors=True)
         write_compressed(compressed, config)
     report = {
-        "cpu": cpu_model(),
         "model": config.name,
         "examples": args.examples,
         "restore_dtype": args.restore_dtype,
@@ -252,7 +252,7 @@ def main() -> None:
         os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
         for module in (flaxformer, t5x)
     ]
-    common = [
+    flags = [
         f"--gin_search_paths={','.join(roots)},{CONFIGS_DIR}",
         f"--gin.NUM_EXPERTS={args.num_experts}",
         f"--gin.VOCABULARY_FILE='{bundled.tokenizer_path()}'",
@@ -262,7 +262,7 @@ def main() -> None:
         f"--gin.BATCH_SIZE={args.examples}",
     ]
     if args.restore_dtype != "none":
-        common.append(f"--gin.t5x.utils.RestoreCheckpointConfig.dtype='{args.restore_dtype}'")
+        flags.append(f"--gin.t5x.utils.RestoreCheckpointConfig.dtype='{args.restore_dtype}'")
     for name, gin_file, checkpoint, directory in runs:
         out = os.path.join(work, f"eval_{name}")
         shutil.rmtree(out, ignore_errors=True)
@@ -275,7 +275,7 @@ def main() -> None:
                 f"--gin_file={gin_file}",
                 f"--gin.CHECKPOINT_PATH='{checkpoint}'",
                 f"--gin.EVAL_OUTPUT_DIR='{out}'",
-                *common,
+                *flags,
             ],
             env,
             os.path.join(work, f"eval_{name}.log"),
@@ -283,6 +283,7 @@ def main() -> None:
         report[f"eval_{name}"]["checkpoint_bytes_read"] = resident_bytes(directory)
     if args.compressed_only:
         print(json.dumps(report, indent=1))
+        write_result("t5x_memory", report)
         return
     ours, theirs = report["eval_compressed"], report["eval_export"]
     report["rss_ratio"] = round(ours["peak_rss_kib"] / theirs["peak_rss_kib"], 3)
@@ -291,6 +292,7 @@ def main() -> None:
     )
     report["rss_goal_met"] = report["rss_ratio"] <= 0.35
     print(json.dumps(report, indent=1))
+    write_result("t5x_memory", report)
     if not args.keep:
         shutil.rmtree(compressed)
         shutil.rmtree(export, ignore_errors=True)
