@@ -1,11 +1,14 @@
 """glibc malloc settings for the commands that run big XLA programs (``python -m
 qmoe_jax.compress``).
 
-Two settings, both for Linux with glibc; elsewhere they do nothing.
+Two settings and one call, all for Linux with glibc; elsewhere they do nothing.
 
 **Arenas** (``limit_arenas``): with XLA's many threads glibc's default of 8
 arenas per core holds freed memory in per-thread arenas and inflates peak RSS;
 the compressor caps them at 2 (M_ARENA_MAX, set in-process).
+
+**Free memory** (``release_free_memory``): ``malloc_trim(0)`` after a step that freed much of
+what it allocated (opening a model for inference), so the freed heap leaves the resident set.
 
 **Huge pages** (``reexec_with_huge_pages``): XLA:CPU allocates a program's
 buffers afresh on every call, and the big ones are big: a switch-base wo
@@ -56,6 +59,20 @@ def limit_arenas(arenas: int = 2) -> None:
         ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
+
+
+def release_free_memory() -> None:
+    """Returns the heap's free memory to the system (glibc's ``malloc_trim(0)``); nothing where the
+    C library is not glibc.
+
+    glibc keeps memory freed by big transient work (restoring a checkpoint on tensorstore's
+    threads, converting its arrays) in its arenas, where it counts in the resident set until malloc
+    hands it out again; a step that frees much of what it allocated calls this at its end.
+    """
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to release
 
 
 def thp_mode(path: str = THP_MODE_FILE) -> str | None:

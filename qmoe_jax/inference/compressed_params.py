@@ -116,7 +116,7 @@ def load_compressed_model(
         raise ValueError(
             f"only ternary checkpoints run on the fused kernels; {directory} uses {grid}"
         )
-    params = pack_dense_params(checkpoint.dense_params(), dense_dtype, dtype)
+    params = pack_dense_params(checkpoint.dense_params(), dense_dtype, dtype, release_source=True)
     adapters = checkpoint.adapters() or {}
     dictionaries = {}
     for name in checkpoint.layer_names():

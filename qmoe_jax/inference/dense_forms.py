@@ -42,12 +42,16 @@ def packed_orientation(path: tuple[str, ...]) -> str | None:
     return None
 
 
-def pack_dense_params(params: Mapping, dense_dtype: str, dtype=jnp.float32) -> dict:
-    """``params`` (a nested dict of arrays, numpy or jax) with the dense matrices stored as
+def pack_dense_params(
+    params: dict, dense_dtype: str, dtype=jnp.float32, release_source: bool = False
+) -> dict:
+    """The tree ``params`` (nested dicts of arrays, numpy or jax) with the dense matrices stored as
     ``dense_dtype`` and every other leaf, expert kernels included, as ``dtype``.
 
-    Leaves are converted one at a time, so the peak is the input tree plus one matrix in float32
-    (int8 quantizes from float32).
+    With ``release_source``, ``params`` is emptied as it is converted: each source leaf is dropped
+    once its converted form exists, so that the peak is the converted tree plus the part of the
+    source not yet converted (and one matrix in float32 while int8 quantizes it), not both whole
+    trees. The loaders pass the tree they just read this way.
     """
     if dense_dtype not in DENSE_DTYPES:
         raise ValueError(
@@ -55,8 +59,14 @@ def pack_dense_params(params: Mapping, dense_dtype: str, dtype=jnp.float32) -> d
         )
 
     def convert(node, path):
-        if isinstance(node, Mapping):
-            return {key: convert(value, (*path, key)) for key, value in node.items()}
+        if isinstance(node, Mapping) and not isinstance(node, dict):
+            node = dict(node)  # a mapping of another type is copied, never emptied
+        if isinstance(node, dict):
+            converted = {}
+            for key in list(node):
+                value = node.pop(key) if release_source else node[key]
+                converted[key] = convert(value, (*path, key))
+            return converted
         orientation = packed_orientation(path) if dense_dtype != "float32" else None
         if orientation is None:
             return jnp.asarray(node, dtype)

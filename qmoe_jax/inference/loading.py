@@ -36,6 +36,7 @@ from qmoe_jax.inference.mapped_params import (
 )
 from qmoe_jax.inference.model_directory import refuse_non_model
 from qmoe_jax.interop.t5x_layout import has_sidecar
+from qmoe_jax.malloc import release_free_memory
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
@@ -47,7 +48,7 @@ def load_t5x_params(
     checkpoint = open_t5x_checkpoint(path) if isinstance(path, str) else path
     check_config(checkpoint, config)
     params = checkpoint.read_params(checkpoint.keys())
-    return pack_dense_params(params, dense_dtype, dtype)
+    return pack_dense_params(params, dense_dtype, dtype, release_source=True)
 
 
 def _layer_count(paths, stack: str) -> int:
@@ -170,7 +171,20 @@ def open_model(
         (``inference.mapped_params.load_mapped_model``).
       dense_dtype: storage of the dense (non-expert) matrices and the embedding: "float32" (in
         ``dtype``), "bfloat16" or "int8" (``inference.dense_forms``).
+
+    The memory the loading freed (restored checkpoint arrays, their conversions) is returned to
+    the system before the model is returned (``malloc.release_free_memory``).
     """
+    opened = _open_model(
+        path, config, experts, dtype, expert_parallel, verify, expert_cache_gb, dense_dtype
+    )
+    release_free_memory()
+    return opened
+
+
+def _open_model(
+    path, config, experts, dtype, expert_parallel, verify, expert_cache_gb, dense_dtype
+) -> OpenedModel:
     if dense_dtype not in DENSE_DTYPES:
         raise ValueError(
             f"dense_dtype must be one of {', '.join(DENSE_DTYPES)}, got {dense_dtype!r}"

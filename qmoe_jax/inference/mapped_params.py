@@ -253,7 +253,7 @@ def load_mapped_model(
     config = dataclasses.replace(
         SwitchConfig(**checkpoint.header["model"]), dtype=jnp.dtype(dtype).name
     )
-    params = pack_dense_params(checkpoint.dense_params(), dense_dtype, dtype)
+    params = pack_dense_params(checkpoint.dense_params(), dense_dtype, dtype, release_source=True)
     dictionaries, layers = {}, {}
     for name in checkpoint.layer_names():
         stats = checkpoint.manifest["layers"][name]["stats"]

@@ -65,6 +65,10 @@ class PackedMatrix:
         return f"PackedMatrix({self.form}[{self.rows}, {self.cols}])"
 
 
+# One fused pass per matrix: eagerly, each step of the quantization held a float32 temporary.
+_quantize_int8 = jax.jit(quantize_int8)
+
+
 def pack(matrix, form: str) -> PackedMatrix:
     """``matrix [rows, cols]`` (y = W·x orientation, any float dtype) stored as ``form``."""
     if form not in FORMS:
@@ -73,7 +77,7 @@ def pack(matrix, form: str) -> PackedMatrix:
         raise ValueError(f"pack expects a matrix [rows, cols], got shape {np.shape(matrix)}")
     if form == "bfloat16":
         return PackedMatrix(jnp.asarray(matrix, jnp.bfloat16))
-    return PackedMatrix(*quantize_int8(matrix))
+    return PackedMatrix(*_quantize_int8(matrix))
 
 
 def unpack(packed: PackedMatrix) -> jax.Array:

@@ -121,3 +121,28 @@ def test_command_reexecutes_with_huge_pages():
     # the compression CLI re-executes before it parses its arguments: they arrive intact
     refused = run_python(["-m", "qmoe_jax.compress", "--group_size", "-3"], timeout=300)
     assert refused.returncode == 2 and "group_size" in refused.stderr, refused.stderr
+
+
+RELEASE_CHILD = """
+import numpy as np
+from qmoe_jax.malloc import release_free_memory
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) >> 10 for line in f if line.startswith("VmRSS:"))
+
+blocks = [np.ones(12_000) for _ in range(2000)]  # 96 KB each: heap blocks, not mmaps
+last = blocks[-1]  # keeps the heap's top in use, so that freeing the rest does not shrink it
+del blocks
+freed = rss_mib()
+release_free_memory()
+print(freed, rss_mib())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's")
+def test_release_free_memory_returns_the_freed_heap():
+    completed = run_python(["-c", RELEASE_CHILD], timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    freed, released = map(int, completed.stdout.split())
+    assert freed - released >= 100, (freed, released)  # of the ~190 MiB freed

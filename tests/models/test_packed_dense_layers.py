@@ -94,3 +94,20 @@ def test_packed_forms_store_a_half_and_a_quarter():
     assert dense_bytes(pack_dense_params(params, "int8")) == total - matrices * 3 // 4 + 4 * rows
     with pytest.raises(ValueError, match="unknown dense dtype"):
         pack_dense_params(params, "float16")
+
+
+def test_packing_may_release_the_source_tree():
+    _, params, _, _ = init(TINY)
+    source = jax.tree.map(np.asarray, params)
+    kept = pack_dense_params(source, "int8")
+    assert jax.tree.leaves(source), "without release_source the input stays whole"
+    released = pack_dense_params(source, "int8", release_source=True)
+    assert not jax.tree.leaves(source), "with release_source every source leaf is dropped"
+    for a, b in zip(
+        jax.tree.leaves(kept, is_leaf=lambda leaf: isinstance(leaf, PackedMatrix)),
+        jax.tree.leaves(released, is_leaf=lambda leaf: isinstance(leaf, PackedMatrix)),
+    ):
+        np.testing.assert_array_equal(
+            np.asarray(dense.unpack(a) if isinstance(a, PackedMatrix) else a),
+            np.asarray(dense.unpack(b) if isinstance(b, PackedMatrix) else b),
+        )
