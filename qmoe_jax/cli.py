@@ -9,6 +9,13 @@ Wrap a command's ``main(argv)`` in ``run_cli``:
 - Ctrl-C (SIGINT) and SIGTERM print ``interrupted`` and exit 130 and 143;
 - anything else is a bug and keeps its traceback.
 
+In a multi-process run (``distributed.runtime``: the flags
+``--coordinator_address``, ``--num_processes``, ``--process_id``, or a cluster
+that JAX detects) ``run_cli`` joins it before ``main`` runs, and every message
+names its process (``process 1/2: error: ...``). A process whose error the
+others do not know of exits at once, without JAX's shutdown barrier (which
+would wait for the others); they stop when JAX's heartbeat misses it.
+
 A command adds what to do next to an error or an interrupt as an exception
 note (``error.add_note("re-run the same command to resume ...")``); the notes
 are printed after the message. ``--debug`` (add it with ``add_debug_flag``) or
@@ -28,6 +35,8 @@ import traceback
 from collections.abc import Callable
 
 from qmoe_jax.data.corpus import CorpusUnavailable
+from qmoe_jax.distributed import runtime
+from qmoe_jax.distributed.exchange import PeerError, is_shared
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENVIRONMENT = "QMOE_JAX_DEBUG"
@@ -77,7 +86,19 @@ def _message(error: BaseException) -> str:
 
 
 def _with_notes(text: str, error: BaseException) -> str:
-    return "; ".join([text] + list(getattr(error, "__notes__", [])))
+    text = "; ".join([text] + list(getattr(error, "__notes__", [])))
+    process = runtime.label()
+    return f"{process}: {text}" if process else text
+
+
+def _exit(code: int, error: BaseException) -> None:
+    """Exits with ``code``; at once (``os._exit``) when other processes of the run may be waiting
+    for this one in a collective."""
+    if runtime.process_count() > 1 and not is_shared(error):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def run_cli(main: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
@@ -89,16 +110,27 @@ def run_cli(main: Callable[[list[str]], None], argv: list[str] | None = None) ->
         logging.getLogger("absl").setLevel(logging.CRITICAL)  # Orbax's own warnings and tracebacks
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        main(argv)
+        main(runtime.join_from_argv(argv))
     except KeyboardInterrupt as interruption:
         if debug:
             traceback.print_exc()
         print(_with_notes("interrupted", interruption), file=sys.stderr, flush=True)
-        sys.exit(EXIT_SIGTERM if isinstance(interruption, Terminated) else EXIT_SIGINT)
+        _exit(EXIT_SIGTERM if isinstance(interruption, Terminated) else EXIT_SIGINT, interruption)
+    except PeerError as error:  # another process failed and printed why
+        if debug:
+            traceback.print_exc()
+        print(_with_notes(f"stopped: {error}", error), file=sys.stderr, flush=True)
+        _exit(EXIT_ERROR, error)
     except EXPECTED_ERRORS as error:
         if debug:
             traceback.print_exc()
         print(_with_notes(f"error: {_message(error)}", error), file=sys.stderr, flush=True)
-        sys.exit(EXIT_ERROR)
+        _exit(EXIT_ERROR, error)
+    except Exception as error:  # a bug: its traceback, and no wait for the other processes
+        if runtime.process_count() == 1 or is_shared(error):
+            raise
+        traceback.print_exc()
+        print(_with_notes(f"error: {_message(error)}", error), file=sys.stderr, flush=True)
+        _exit(EXIT_ERROR, error)
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -15,7 +15,8 @@ With ``--gin_file`` it runs gin-driven, as ``t5x.eval`` does (docs/gin.md):
 Without it, it prints one JSON line: the loss (nats per target token, length-weighted), the
 number of examples, the uniform predictor's loss for scale, target tokens per
 second and wall seconds of the evaluation (compilation included), and the
-process's peak resident memory.
+process's peak resident memory. Across several processes (docs/multihost.md) the
+experts are sharded over every process's devices and process 0 prints the line.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, run_cli
 from qmoe_jax.data import Tokenizer, bundled
+from qmoe_jax.distributed import runtime as distributed_runtime
 from qmoe_jax.inference import (
     add_model_arguments,
     mean_cross_entropy,
@@ -69,6 +71,7 @@ def evaluate(argv: list[str]) -> None:
     parser.add_argument("--inputs_length", type=int, default=bundled.INPUTS_LENGTH)
     parser.add_argument("--batch_size", type=int, default=32)
     add_debug_flag(parser)
+    distributed_runtime.add_flags(parser)
     args = parser.parse_args(argv)
     for flag in ("num_samples", "batch_size", "inputs_length"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
@@ -88,7 +91,7 @@ def evaluate(argv: list[str]) -> None:
         args.batch_size,
         validation.encoder_length,
         validation.decoder_length,
-        progress=sys.stderr.isatty(),
+        progress=sys.stderr.isatty() and distributed_runtime.is_lead(),
     )
     seconds = time.perf_counter() - started
     if not math.isfinite(loss):
@@ -99,7 +102,7 @@ def evaluate(argv: list[str]) -> None:
             "names every non-finite array)"
         )
     target_tokens = sum(len(targets) for _, targets in validation.examples)
-    print(
+    distributed_runtime.lead_only(print)(
         strict_json.dumps(
             {
                 "checkpoint": path,

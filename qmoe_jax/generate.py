@@ -15,6 +15,7 @@ expert codes on disk until routed tokens touch them (``--verify``,
 Prompts use T5's sentinel syntax: ``<extra_id_0>``, ``<extra_id_1>``, ... mark
 the spans the model fills; Switch models are trained on exactly this task.
 Each output line is JSON: ``{"inputs", "generated", "tokens", "score"}``.
+Across several processes (docs/multihost.md) process 0 writes them.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import time
 from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
 from qmoe_jax.data import Tokenizer, bundled
+from qmoe_jax.distributed import runtime as distributed_runtime
 from qmoe_jax.inference import add_model_arguments, open_model_from_args
 from qmoe_jax.inference.generation import (
     check_attention_memory,
@@ -91,6 +93,7 @@ def generate(argv: list[str]) -> None:
         "most 512 tokens; a longer one needs an explicit --inputs_length)",
     )
     add_debug_flag(parser)
+    distributed_runtime.add_flags(parser)
     args = parser.parse_args(argv)
     if bool(args.prompt) == bool(args.input_file):
         parser.error("give --prompt (repeatable) or --input_file, not both and not neither")
@@ -123,8 +126,11 @@ def generate(argv: list[str]) -> None:
     model = open_model_from_args(args)
     check_attention_memory(model.config, args.batch_size, tokens.shape[1])
     started, generated_tokens = time.perf_counter(), 0
+    lead = distributed_runtime.is_lead()  # every process decodes; process 0 writes the results
     with contextlib.ExitStack() as stack:
-        out = stack.enter_context(open(args.output_file, "w")) if args.output_file else sys.stdout
+        out = sys.stdout
+        if args.output_file and lead:
+            out = stack.enter_context(open(args.output_file, "w"))
         if model.residency is not None:
             stack.enter_context(model.residency.errors())
         for result in generate_encoded(
@@ -136,9 +142,11 @@ def generate(argv: list[str]) -> None:
             config,
             args.batch_size,
             args.seed,
-            progress=bool(args.input_file) and sys.stderr.isatty(),
+            progress=bool(args.input_file) and sys.stderr.isatty() and lead,
         ):
             generated_tokens += len(result.tokens)
+            if not lead:
+                continue
             line = {
                 "inputs": result.inputs,
                 "generated": result.text,
@@ -148,7 +156,7 @@ def generate(argv: list[str]) -> None:
             out.write(strict_json.dumps(line, what="a generated line") + "\n")
             out.flush()
     seconds = time.perf_counter() - started
-    print(
+    distributed_runtime.lead_only(print)(
         f"{len(prompts)} prompt(s), {generated_tokens} tokens in {seconds:.1f} s including "
         "compilation "
         f"({model.experts} experts, {config.method})",

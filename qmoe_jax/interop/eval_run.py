@@ -17,6 +17,7 @@ a second run out while one writes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
@@ -25,8 +26,10 @@ import numpy as np
 
 from qmoe_jax.checkpoints import ShapeMismatchError, strict_json
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
-from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, claimed
+from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind
 from qmoe_jax.data import Tokenizer, bundled
+from qmoe_jax.distributed import exchange, runtime
+from qmoe_jax.distributed.output_dir import claimed
 from qmoe_jax.inference.generation import generate_tokens
 from qmoe_jax.inference.loading import OpenedModel, is_compressed_checkpoint, open_model
 from qmoe_jax.inference.scoring import score_examples
@@ -186,6 +189,27 @@ def _write_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
+def _start_output(output_dir: str, config_text: str) -> None:
+    """The output directory's manifest (once), the run's gin config and the inference folder."""
+    manifest = os.path.join(output_dir, MANIFEST)
+    if not os.path.exists(manifest):
+        _write_atomic(
+            manifest,
+            strict_json.dumps({"format": EVAL_OUTPUT.marker, "format_version": 1}) + "\n",
+        )
+    _write_atomic(os.path.join(output_dir, "config.gin"), config_text)
+    os.makedirs(os.path.join(output_dir, INFERENCE_DIR), exist_ok=True)
+
+
+def _write_task(base: str, task: str, step: int, records: list[dict], line: dict) -> None:
+    """Task ``task``'s inference records at ``step`` and its metrics line (appended)."""
+    _write_atomic(
+        f"{base}-{step:06d}.jsonl",
+        "".join(strict_json.dumps(r, what=f"an inference of {task}") + "\n" for r in records),
+    )
+    _append_line(f"{base}-metrics.jsonl", line)
+
+
 def _append_line(path: str, record: dict) -> None:
     previous = ""
     if os.path.exists(path):
@@ -277,8 +301,12 @@ def run_evaluation(
     """Evaluates ``settings.mixture_or_task_name`` and writes T5X's layout under
     ``settings.output_dir``.
 
-    Returns ``{task name: metrics}`` (each as written to its metrics file, with ``step``).
+    Returns ``{task name: metrics}`` (each as written to its metrics file, with ``step``). With
+    several processes every process evaluates (the experts sharded over all their devices) and the
+    lead alone logs and writes the output directory.
     """
+    log = runtime.lead_only(log)
+    progress = progress and runtime.is_lead()
     tasks = resolve(settings.mixture_or_task_name, definitions)
     tokenizer = Tokenizer(settings.tokenizer or bundled.tokenizer_path())
     step = checkpoint_step(settings.checkpoint_path)
@@ -293,14 +321,7 @@ def run_evaluation(
     data = {task.name: load_task(task, tokenizer, settings.task_feature_lengths) for task in tasks}
     results = {}
     with claimed(settings.output_dir, EVAL_OUTPUT) as output_dir:
-        manifest = os.path.join(output_dir, MANIFEST)
-        if not os.path.exists(manifest):
-            _write_atomic(
-                manifest,
-                strict_json.dumps({"format": EVAL_OUTPUT.marker, "format_version": 1}) + "\n",
-            )
-        _write_atomic(os.path.join(output_dir, "config.gin"), config_text)
-        os.makedirs(os.path.join(output_dir, INFERENCE_DIR), exist_ok=True)
+        exchange.decided(lambda: _start_output(output_dir, config_text))
         for task in tasks:
             started = time.perf_counter()
             metrics, records = evaluate_task(
@@ -313,15 +334,8 @@ def run_evaluation(
                 progress,
             )
             base = os.path.join(output_dir, INFERENCE_DIR, task.name)
-            _write_atomic(
-                f"{base}-{step:06d}.jsonl",
-                "".join(
-                    strict_json.dumps(r, what=f"an inference of {task.name}") + "\n"
-                    for r in records
-                ),
-            )
             line = {"step": step, **metrics}
-            _append_line(f"{base}-metrics.jsonl", line)
+            exchange.decided(functools.partial(_write_task, base, task.name, step, records, line))
             results[task.name] = line
             log(
                 strict_json.dumps(

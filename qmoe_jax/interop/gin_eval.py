@@ -21,6 +21,7 @@ import sys
 import gin
 
 from qmoe_jax.cli import add_debug_flag
+from qmoe_jax.distributed import runtime as distributed_runtime
 from qmoe_jax.interop import eval_run
 from qmoe_jax.interop.eval_tasks import Mixture, Seq2SeqTask, SpanCorruptionTask, UnknownTaskError
 from qmoe_jax.interop.gin_flags import ParsedGin, add_gin_arguments, parse_gin, rewrite_gin_args
@@ -77,6 +78,7 @@ def evaluate_with_gin(argv: list[str]) -> dict:
     )
     add_gin_arguments(parser)
     add_debug_flag(parser)
+    distributed_runtime.add_flags(parser)
     args = parser.parse_args(rewrite_gin_args(argv))
     parsed = parse_gin(args.gin_file, args.gin_bindings, args.gin_search_paths)
     run = _bound_run(parsed)
