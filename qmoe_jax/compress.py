@@ -9,6 +9,8 @@
 Re-running the same command after an interruption resumes at the first
 unfinished layer; the result is bit-identical to an uninterrupted run.
 docs/recovery.md says what is refused, what resumes and what is repaired.
+Several processes (one per host) share a run through JAX's multi-process
+runtime, with the same output as one: docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli  # noqa: E402
 from qmoe_jax.compression.job import GRIDS, VERIFY_LEVELS, CompressionOptions, compress_checkpoint  # noqa: E402
 from qmoe_jax.data import PREMASKS  # noqa: E402
+from qmoe_jax.distributed import runtime as distributed_runtime  # noqa: E402
 
 
 def parse_options(argv=None) -> CompressionOptions:
@@ -132,6 +135,7 @@ def parse_options(argv=None) -> CompressionOptions:
         "from by SHA-256 (full; resumes from a copy of the source)",
     )
     add_debug_flag(parser)
+    distributed_runtime.add_flags(parser)
     args = vars(parser.parse_args(argv))
     del args["debug"]  # run_cli reads it
     try:
@@ -142,10 +146,9 @@ def parse_options(argv=None) -> CompressionOptions:
 
 def compress(argv: list[str]) -> None:
     options = parse_options(argv)
-    print("==== qmoe_jax.compress " + "=" * 50, flush=True)
-    compress_checkpoint(
-        options, log=lambda line: print(line, flush=True), progress=sys.stderr.isatty()
-    )
+    log = distributed_runtime.lead_only(lambda line: print(line, flush=True))
+    log("==== qmoe_jax.compress " + "=" * 50)
+    compress_checkpoint(options, log=log, progress=sys.stderr.isatty())
 
 
 def main(argv=None) -> None:

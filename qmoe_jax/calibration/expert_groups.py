@@ -205,6 +205,11 @@ class GroupTokens:
     valid: np.ndarray
     hessian_mask: np.ndarray
 
+    def part(self, experts: slice) -> GroupTokens:
+        """Some of the group's experts, at the group's width (which sets the rows of their
+        forward, ``FORWARD_MIN_TOKENS``)."""
+        return GroupTokens(self.rows[experts], self.valid[experts], self.hessian_mask[experts])
+
 
 def gather_group(
     order: np.ndarray, starts: np.ndarray, experts: range, premask: np.ndarray, cap: int

@@ -9,6 +9,10 @@ atomically; on a re-run they are replayed from disk instead of recompressed
 (one whose files fail their checksums is compressed again).
 Weights come from the checkpoint one layer (dense) or one expert group
 (sparse) at a time.
+
+When several processes share the run (``expert_share``), each runs the whole
+dense forward and its share of each sparse layer's experts, and writes through
+the lead (``compression.shared_writer``).
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ import numpy as np
 from tqdm import tqdm
 
 from qmoe_jax.calibration.buffer import TokenBuffer
-from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig, QuantizedKernel
+from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig
+from qmoe_jax.calibration.expert_share import ExpertShare
 from qmoe_jax.calibration.sparse_layer import LayerTokens, compress_layer, replay_layer
 from qmoe_jax.calibration.sublayers import (
     decoder_attend,
@@ -32,11 +37,7 @@ from qmoe_jax.calibration.sublayers import (
     route,
 )
 from qmoe_jax.checkpoints import T5XCheckpoint
-from qmoe_jax.checkpoints.format_v1 import (
-    CompressedCheckpoint,
-    CompressedCheckpointError,
-    CompressedCheckpointWriter,
-)
+from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint, CompressedCheckpointError
 from qmoe_jax.codec import DEFAULT_P0, Dictionary, adaptive_dictionary, build_dictionary
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import kernel_names
@@ -93,7 +94,12 @@ def _subtree(tree: dict, path: str) -> dict:
 
 
 class CalibrationPass:
-    """Runs the pass over a T5X checkpoint into a compressed-checkpoint writer."""
+    """Runs the pass over a T5X checkpoint into a compressed-checkpoint writer.
+
+    ``writer`` is a ``compression.shared_writer.SharedWriter`` (its ``write_dense`` takes the
+    function that reads the dense parameters, so that only the process that writes reads them);
+    ``share`` is this process's share of every expert group (default: all of them).
+    """
 
     def __init__(
         self,
@@ -101,11 +107,13 @@ class CalibrationPass:
         checkpoint: T5XCheckpoint,
         data: CalibrationData,
         settings: CalibrationConfig,
-        writer: CompressedCheckpointWriter,
+        writer,
         log: Callable[[str], None] = print,
         progress: bool = True,
+        share: ExpertShare | None = None,
     ):
         self.config = config
+        self.share = share or ExpertShare()
         self.checkpoint = checkpoint
         self.data = data
         self.settings = settings
@@ -192,7 +200,7 @@ class CalibrationPass:
         started = time.perf_counter()
         stored = self._stored_layer(name) if name in self.writer.finished_layers() else None
         if stored is not None:
-            outputs = replay_layer(cfg, self.settings.experts, tokens, *stored)
+            outputs = replay_layer(cfg, self.settings.experts, tokens, *stored, share=self.share)
             self.seconds["replay"] += time.perf_counter() - started
             self.log(f"{name}: finished earlier, replayed from disk")
         else:
@@ -210,6 +218,7 @@ class CalibrationPass:
                 self._expert_reader(stack, index),
                 self._dictionary_for,
                 on_group=groups.update,
+                share=self.share,
             )
             groups.close()
             self._timed("write", self.writer.write_layer, name, result.arrays, result.stats)
@@ -218,29 +227,47 @@ class CalibrationPass:
 
     def _stored_layer(self, name: str) -> tuple[dict, Dictionary | None] | None:
         """(arrays, dictionary) of a finished layer, read back and verified; None when its arrays
-        fail the checks, and then the layer is unrecorded and compressed again like an unfinished
-        one. A damaged dictionary is rebuilt from its p0 (the layer's codes stay valid)."""
+        fail the checks (in any process of the run), and then the layer is unrecorded and
+        compressed again like an unfinished one. A damaged dictionary is rebuilt from its p0 (the
+        layer's codes stay valid)."""
         stored = CompressedCheckpoint(self.writer.directory)
-        try:
-            arrays, stats = stored.layer(name)
-        except CompressedCheckpointError as damage:
-            self.log(f"{name}: {damage.problem}; compressing it again")
+        found = {}
+
+        def read() -> tuple[str | None, str | None]:
+            """(what is wrong with the layer's arrays, with its dictionary), None where nothing."""
+            try:
+                arrays, stats = stored.layer(name)
+            except CompressedCheckpointError as damage:
+                return damage.problem, None
+            found["fingerprint"] = fingerprint = stats["dictionary"]
+            found["layer"] = (arrays, None)
+            if fingerprint is None:
+                return None, None
+            try:
+                found["layer"] = (arrays, stored.dictionary(fingerprint))
+            except CompressedCheckpointError as damage:
+                return None, damage.problem
+            return None, None
+
+        outcomes = self.share.gather(read)
+        problems = [problem for problem, _ in outcomes if problem is not None]
+        if problems:
+            self.log(f"{name}: {problems[0]}; compressing it again")
             self.writer.discard_layer(name)
             return None
-        fingerprint = stats["dictionary"]
-        if fingerprint is None:
-            return arrays, None
-        try:
-            return arrays, stored.dictionary(fingerprint)
-        except CompressedCheckpointError as damage:
-            self.log(f"{name}: {damage.problem}; rebuilding the dictionary from its p0")
-            return arrays, self.writer.repair_dictionary(fingerprint)
+        arrays, dictionary = found["layer"]
+        damaged = [problem for _, problem in outcomes if problem is not None]
+        if damaged:
+            self.log(f"{name}: {damaged[0]}; rebuilding the dictionary from its p0")
+            dictionary = self.writer.repair_dictionary(found["fingerprint"])
+        return arrays, dictionary
 
-    def _dictionary_for(self, quantized: dict[str, QuantizedKernel]) -> Dictionary:
+    def _dictionary_for(self, p0: float) -> Dictionary:
+        """The layer's dictionary, from its first group's zero fraction ``p0`` when adaptive."""
         if self.settings.dictionary == "static":
             dictionary = build_dictionary(DEFAULT_P0)
         else:
-            dictionary = adaptive_dictionary([k.codes for k in quantized.values()])
+            dictionary = adaptive_dictionary(p0)
         self.writer.write_dictionary(dictionary)
         return dictionary
 
@@ -248,8 +275,10 @@ class CalibrationPass:
     def run(self) -> dict:
         cfg, data = self.config, self.data
         if not self.writer.has_dense():
-            self._timed(
-                "write", self.writer.write_dense, self._timed("read", self.checkpoint.read_params)
+            started, reading = time.perf_counter(), self.seconds["read"]
+            self.writer.write_dense(lambda: self._timed("read", self.checkpoint.read_params))
+            self.seconds["write"] += (
+                time.perf_counter() - started - (self.seconds["read"] - reading)
             )
         embedding = np.asarray(
             self._timed("read", self.checkpoint.read, "token_embedder/embedding"), np.float32

@@ -201,11 +201,25 @@ def _checkpointer() -> ocp.Checkpointer:
             for kind in (int, float, bytes, np.number, jax.Array, str)
         ),
     )
+    local = _this_process_only()
     return ocp.Checkpointer(
         ocp.PyTreeCheckpointHandler(
-            use_ocdbt=True, use_zarr3=False, use_compression=True, type_handler_registry=registry
-        )
+            use_ocdbt=True,
+            use_zarr3=False,
+            use_compression=True,
+            type_handler_registry=registry,
+            multiprocessing_options=local,
+        ),
+        multiprocessing_options=local,
     )
+
+
+def _this_process_only() -> ocp.options.MultiprocessingOptions:
+    """Orbax options under which a process reads and writes a tree alone, without waiting for the
+    other processes of a multi-process JAX run (only one of them writes an output directory;
+    docs/multihost.md)."""
+    process = jax.process_index()
+    return ocp.options.MultiprocessingOptions(primary_host=process, active_processes={process})
 
 
 def _save_tree(path: str, tree: dict) -> None:
@@ -266,7 +280,9 @@ def _restore_tree(path: str, fix: str, part: str | None = None, rerun: str = "")
     if not os.path.isdir(path):
         raise CompressedCheckpointError(f"{path} is missing", fix)
     try:
-        return ocp.PyTreeCheckpointer().restore(path)
+        local = _this_process_only()
+        handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=local)
+        return ocp.Checkpointer(handler, multiprocessing_options=local).restore(path)
     except Exception as error:  # orbax raises many types for damaged trees
         raise CompressedCheckpointError(
             f"cannot read the Orbax tree at {path}: {error}", fix

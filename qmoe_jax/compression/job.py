@@ -2,6 +2,13 @@
 
 ``python -m qmoe_jax.compress`` parses its flags into ``CompressionOptions`` and
 calls ``compress_checkpoint``; everything here is importable and tested.
+
+In a run of several processes (``qmoe_jax.distributed``) every process calls
+``compress_checkpoint`` with the same options: each checks the source and
+builds the calibration data, the lead claims the output directory and writes
+it (``compression.shared_writer``), each compresses its share of every expert
+group (``calibration.expert_share``), and the final evaluation's batches are
+split over the processes. The output is bit-identical to one process's.
 """
 
 from __future__ import annotations
@@ -15,20 +22,22 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from tqdm import tqdm
 
 from qmoe_jax.calibration.data import calibration_data
 from qmoe_jax.calibration.expert_groups import ExpertCompressionConfig
+from qmoe_jax.calibration.expert_share import ExpertShare
 from qmoe_jax.calibration.layer_pass import CalibrationConfig, CalibrationPass
 from qmoe_jax.checkpoints import CheckpointError, T5XCheckpoint, open_t5x_checkpoint, source_files
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.format_v1 import COMPRESSED_OUTPUT, CompressedCheckpointWriter
 from qmoe_jax.checkpoints.manifest_rebuild import rebuild_lost_manifest
 from qmoe_jax.checkpoints.nonfinite import FiniteWeights, check_policy
-from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.checkpoints.read_digests import ChangedArrayError
 from qmoe_jax.compression import source_check
 from qmoe_jax.compression.report import build_report, summary_table, write_report
 from qmoe_jax.compression.resume import check_resume
+from qmoe_jax.compression.shared_writer import SharedWriter
 from qmoe_jax.data import (
     SpanCorruptionConfig,
     Tokenizer,
@@ -39,8 +48,11 @@ from qmoe_jax.data import (
     text_file_documents,
 )
 from qmoe_jax.data.sources import c4_shard_paths
-from qmoe_jax.inference import load_t5x_params, mean_cross_entropies, validation_set
+from qmoe_jax.distributed import exchange, runtime
+from qmoe_jax.distributed.output_dir import claimed
+from qmoe_jax.inference import load_t5x_params, validation_set
 from qmoe_jax.inference.compressed_params import load_compressed_model
+from qmoe_jax.inference.evaluation import batch_sums, make_eval_step, mean_of_sums, padded_batches
 from qmoe_jax.inference.loading import check_config, infer_config
 from qmoe_jax.models import SwitchConfig, SwitchTransformer
 from qmoe_jax.models.configs import resolve_config
@@ -207,7 +219,8 @@ class CompressionOptions:
 
 
 def default_gptq_memory_mb() -> int:
-    stats = jax.devices()[0].memory_stats() or {}
+    """A quarter of this process's first device's memory (256 MiB on CPU, which reports none)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
     limit = stats.get("bytes_limit")
     return int(limit // 4 >> 20) if limit else 256
 
@@ -283,7 +296,7 @@ def sparse_layer_names(config: SwitchConfig) -> list[str]:
     ]
 
 
-def _resume_advice(writer: CompressedCheckpointWriter, config: SwitchConfig) -> str:
+def _resume_advice(writer: SharedWriter, config: SwitchConfig) -> str:
     """What to do after an interrupt or an OS error once the output exists: where a re-run
     resumes."""
     layers = sparse_layer_names(config)
@@ -297,8 +310,8 @@ def _resume_advice(writer: CompressedCheckpointWriter, config: SwitchConfig) -> 
     )
 
 
-def _resuming(writer: CompressedCheckpointWriter, config: SwitchConfig, path: str) -> str:
-    started_from = writer.manifest["header"]["source"]
+def _resuming(writer: SharedWriter, config: SwitchConfig, path: str) -> str:
+    started_from = writer.started_from
     moved = (
         f"; the same checkpoint was at {started_from} when the run started"
         if started_from != path
@@ -327,44 +340,67 @@ def compress_checkpoint(
     note on how to go on (``cli.run_cli`` prints it).
 
     ``config`` overrides ``options.config`` with a config object (e.g. one not in the registry).
+
+    With several processes, only the lead logs and shows progress, and only the lead returns the
+    report; the others return ``{"process": ..., "seconds": ...}``, their own time per stage.
     """
     started = time.perf_counter()
+    log = runtime.lead_only(log)
+    progress = progress and runtime.is_lead()
     writer = None
     try:
         path = options.checkpoint or bundled.checkpoint_path()
-        source = open_t5x_checkpoint(path)
-        if config is None:
-            config = resolve_config(options.config) if options.config else infer_config(source)
-        _check_source(source, config)
-        tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
-        _check_text(options, tokenizer, config)
+
+        def prepare():  # in every process: each reads the source and the text itself
+            source = open_t5x_checkpoint(path)
+            chosen = config
+            if chosen is None:
+                chosen = resolve_config(options.config) if options.config else infer_config(source)
+            _check_source(source, chosen)
+            tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
+            _check_text(options, tokenizer, chosen)
+            return source, chosen, tokenizer, source_fingerprint(source)
+
+        source, config, tokenizer, fingerprint = exchange.checked(prepare)
         output_dir = options.output_dir or os.path.join("runs", "compressed", config.name)
-        gptq_memory_mb = options.gptq_memory_mb or default_gptq_memory_mb()
+        gptq_memory_mb = exchange.decided(
+            lambda: options.gptq_memory_mb or default_gptq_memory_mb()
+        )
         header = {
             "model": dataclasses.asdict(config),
             "source": path,
-            "source_fingerprint": source_fingerprint(source),
+            "source_fingerprint": fingerprint,
             "tokenizer_sha256": corpus.file_sha256(tokenizer.model_path),
             "grid": dataclasses.asdict(GRIDS[options.grid]),
             "settings": options.header_settings(
                 tokenizer=os.path.basename(tokenizer.model_path), gptq_memory_mb=gptq_memory_mb
             ),
         }
-        files = source_files.snapshot(source)
-        log(f"model {config.name} from {path}; {jax.device_count()} device(s); output {output_dir}")
-        with claimed(output_dir, COMPRESSED_OUTPUT):
-            rebuilt = rebuild_lost_manifest(output_dir)
+        files = source_files.snapshot(source) if runtime.is_lead() else {}  # the lead checks
+        processes = runtime.process_count()
+        log(
+            f"model {config.name} from {path}; {jax.device_count()} device(s)"
+            + (f" in {processes} processes" if processes > 1 else "")
+            + f"; output {output_dir}"
+        )
+        with claimed(output_dir, COMPRESSED_OUTPUT) as directory:
+            rebuilt = exchange.decided(lambda: rebuild_lost_manifest(directory))
             if rebuilt:
                 log(rebuilt)
-            writer = CompressedCheckpointWriter(
-                output_dir,
-                header,
-                log=log,
-                check_resume=lambda stored: check_resume(
-                    stored, header, options.nonfinite, output_dir
+            writer = SharedWriter(
+                lambda: CompressedCheckpointWriter(
+                    directory,
+                    header,
+                    log=log,
+                    check_resume=lambda stored: check_resume(
+                        stored, header, options.nonfinite, output_dir
+                    ),
                 ),
+                directory,
             )
-            files_differ = source_check.check_files(writer, source, files, options.verify, log)
+            files_differ = exchange.decided(  # the lead's files: it checks what it recorded
+                lambda: source_check.check_files(writer.writer, source, files, options.verify, log)
+            )
             for damage in writer.verify(full=options.verify == "full"):
                 log(f"repairing {damage}")
             if writer.has_dense() or writer.finished_layers():
@@ -381,10 +417,12 @@ def compress_checkpoint(
                 (files, files_differ),
             )
             report["seconds"]["total"] = time.perf_counter() - started
+            if not runtime.is_lead():
+                return {"process": runtime.label(), "seconds": report["seconds"]}
             write_report(report, output_dir)
     except ChangedArrayError as error:
         raise source_check.changed_array(error, writer.directory if writer else "") from None
-    except (KeyboardInterrupt, OSError) as error:
+    except (KeyboardInterrupt, OSError, exchange.PeerError) as error:
         if writer is not None:
             error.add_note(_resume_advice(writer, config))
         elif isinstance(error, KeyboardInterrupt):
@@ -400,30 +438,37 @@ def _compress(
     config: SwitchConfig,
     source: T5XCheckpoint,
     tokenizer: Tokenizer,
-    writer: CompressedCheckpointWriter,
+    writer: SharedWriter,
     gptq_memory_mb: int,
     log: Callable[[str], None],
     progress: bool,
     files: tuple[dict, bool],
 ) -> dict:
     """The work of ``compress_checkpoint`` once everything is checked: calibrate, compress,
-    report. ``files``: the snapshot of the source's files, and whether it differs from the
-    recorded one (``source_check.check_files``)."""
+    report (the lead's; the other processes' holds their ``seconds`` only). ``files``: the
+    snapshot of the source's files, and whether it differs from the recorded one
+    (``source_check.check_files``)."""
     reads = source_check.digested(source, writer)
     weights = FiniteWeights(reads, options.nonfinite, on_zeroed=writer.record_zeroed)
     if options.verify == "full":
-        recorded = set(writer.recorded_reads())
-        weights.check_all()
-        source_check.confirm_content(writer, reads, recorded, *files, log)
+
+        def check_all() -> None:  # the lead reads the whole source once
+            recorded = set(writer.recorded_reads())
+            weights.check_all()
+            source_check.confirm_content(writer.writer, reads, recorded, *files, log)
+
+        exchange.decided(check_all)
 
     data_started = time.perf_counter()
-    data = calibration_data(
-        _documents(options.calibration),
-        tokenizer,
-        options.span_corruption(),
-        options.num_samples,
-        spread=options.calibration == "bundled",
-        premask=options.premask,
+    data = exchange.checked(
+        lambda: calibration_data(
+            _documents(options.calibration),
+            tokenizer,
+            options.span_corruption(),
+            options.num_samples,
+            spread=options.calibration == "bundled",
+            premask=options.premask,
+        )
     )
     log(
         f"{data.num_samples} calibration samples, {int((data.encoder_input_tokens > 0).sum())} "
@@ -440,13 +485,17 @@ def _compress(
         writer,
         log=log,
         progress=progress,
+        share=ExpertShare.of_run(),
     ).run()
-    source_check.check_unchanged_while_read(writer, source)
+    exchange.decided(lambda: source_check.check_unchanged_while_read(writer.writer, source))
     total, experts = _parameter_counts(source)
     seconds = {"data": data_seconds} | result["seconds"]
-    report = build_report(writer.manifest, total, experts, seconds)
+    report, summary = {"seconds": dict(seconds)}, None
+    if runtime.is_lead():
+        report = build_report(writer.manifest, total, experts, seconds)
+        summary = {"moe": report["moe"], "model": report["model"]}
     finalize_started = time.perf_counter()
-    writer.finalize({"moe": report["moe"], "model": report["model"]})
+    writer.finalize(summary)
     report["seconds"]["write"] += time.perf_counter() - finalize_started
     if options.evaluation_examples():
         evaluation_started = time.perf_counter()
@@ -467,7 +516,8 @@ def _evaluate(
 ) -> dict:
     """Validation loss of the original and the compressed model (dequantized experts) on the same
     examples, as ``python -m qmoe_jax.evaluate`` computes it; the original's non-finite weights are
-    handled as in the run."""
+    handled as in the run. With several processes, each scores every N-th batch (with both
+    models, read whole) and the sums are added in batch order: the one-process figures."""
     validation = validation_set(
         options.evaluation_data(), tokenizer, options.evaluation_examples(), options.inputs_length
     )
@@ -475,15 +525,24 @@ def _evaluate(
         "original": load_t5x_params(source, config),
         "compressed": load_compressed_model(output_dir).params,
     }
-    losses = mean_cross_entropies(
-        SwitchTransformer(config),
-        params,
+    if not validation.examples:
+        raise ValueError("no validation examples to evaluate")
+    batches = padded_batches(
         validation.examples,
         options.batch_size,
         validation.encoder_length,
         validation.decoder_length,
-        progress=progress,
     )
+    step = make_eval_step(SwitchTransformer(config))
+    index, count = runtime.process_index(), runtime.process_count()
+    losses = {}
+    for name, tree in params.items():
+        mine = batches[index::count]
+        shown = tqdm(mine, desc=f"evaluate {name}", unit="batch") if progress else mine
+        parts = exchange.gathered(lambda tree=tree, shown=shown: batch_sums(step, tree, shown))
+        losses[name] = mean_of_sums(
+            [parts[batch % count][batch // count] for batch in range(len(batches))]
+        )
     for name, loss in losses.items():
         if not math.isfinite(loss):
             raise ValueError(

@@ -150,14 +150,28 @@ def make_eval_step(model):
     return step
 
 
-def evaluate_batches(eval_step, params, batches) -> float:
-    """Length-weighted mean cross-entropy (nats per target token) over ``batches``."""
-    loss_sum = weight_sum = 0.0
+def batch_sums(eval_step, params, batches) -> list[tuple[float, float]]:
+    """(loss sum, weight sum) of each of ``batches``, in order."""
+    sums = []
     for batch in batches:
         batch_loss, batch_weight = eval_step(params, batch)
-        loss_sum += float(batch_loss)
-        weight_sum += float(batch_weight)
+        sums.append((float(batch_loss), float(batch_weight)))
+    return sums
+
+
+def mean_of_sums(sums: list[tuple[float, float]]) -> float:
+    """Length-weighted mean cross-entropy from per-batch ``batch_sums``, added in their order (so
+    sums computed in several processes give the one-process figure)."""
+    loss_sum = weight_sum = 0.0
+    for batch_loss, batch_weight in sums:
+        loss_sum += batch_loss
+        weight_sum += batch_weight
     return loss_sum / max(weight_sum, 1.0)
+
+
+def evaluate_batches(eval_step, params, batches) -> float:
+    """Length-weighted mean cross-entropy (nats per target token) over ``batches``."""
+    return mean_of_sums(batch_sums(eval_step, params, batches))
 
 
 def mean_cross_entropies(

@@ -8,14 +8,13 @@ child that never returns. The pool has a thread per CPU, and the deadlock needs 
 than devices: the hang check pins its child to 2 CPUs so that it bites on any machine.
 """
 
-import json
-import os
 import subprocess
 import textwrap
 
 import numpy as np
 import pytest
 from helpers.child_process import run_python
+from helpers.compression_runs import manifest_checksums
 from helpers.quant_helpers import bundled_size_groups
 
 from qmoe_jax.quant import GridConfig, quantize_expert_group
@@ -116,19 +115,7 @@ def compressed_checksums(devices: int, output_dir: str) -> dict[str, str]:
     devices."""
     completed = run_on_devices(devices, ["-m", "qmoe_jax.compress", "--output_dir", output_dir])
     assert f"{devices} device(s)" in completed.stdout, completed.stdout[-2000:]
-    with open(os.path.join(output_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    checksums = {f"dense/{path}": digest for path, digest in manifest["dense"]["checksums"].items()}
-    for layer, record in manifest["layers"].items():
-        checksums.update(
-            {f"{layer}/{path}": digest for path, digest in record["checksums"].items()}
-        )
-    return checksums
-
-
-@pytest.fixture(scope="module")
-def one_device_checksums(tmp_path_factory):
-    return compressed_checksums(1, str(tmp_path_factory.mktemp("compressed") / "one_device"))
+    return manifest_checksums(output_dir)
 
 
 @pytest.mark.slow

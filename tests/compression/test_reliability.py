@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 from flax.traverse_util import flatten_dict
 from helpers.child_process import popen_python, run_python
-from helpers.compression_runs import all_arrays, assert_same_arrays, flip_bytes, options
+from helpers.compression_runs import (
+    all_arrays,
+    assert_same_arrays,
+    cli_flags,
+    flip_bytes,
+    options,
+)
 from helpers.switch_fixtures import TINY, random_params, write_c4_shard, write_tiny_checkpoint
 from helpers.text import synthetic_sentences
 
@@ -49,31 +55,6 @@ def config_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("config") / "tiny.json"
     path.write_text(json.dumps(dataclasses.asdict(TINY)))
     return str(path)
-
-
-def cli_flags(setup, output_dir, config_file) -> list[str]:
-    """The flags of ``options(setup, output_dir)`` for ``python -m qmoe_jax.compress``."""
-    checkpoint, text, tokenizer = setup
-    return [
-        "--checkpoint",
-        checkpoint,
-        "--config",
-        config_file,
-        "--tokenizer",
-        tokenizer,
-        "--calibration",
-        f"text:{text}",
-        "--num_samples",
-        "24",
-        "--inputs_length",
-        "32",
-        "--batch_size",
-        "8",
-        "--group_size",
-        "2",
-        "--output_dir",
-        str(output_dir),
-    ]
 
 
 def cli_error(argv, capsys, main=compress.main) -> str:

@@ -1,6 +1,7 @@
 """Compression runs of the tiny model in tests: options, every array of a compressed
 directory, and same-size damage to its Orbax trees."""
 
+import json
 import os
 
 import numpy as np
@@ -59,3 +60,27 @@ def flip_bytes(tree) -> None:
                 byte = f.read(1)[0]
                 f.seek(-1, os.SEEK_CUR)
                 f.write(bytes([byte ^ 0x10]))
+
+
+def manifest_checksums(output_dir) -> dict[str, str]:
+    """The SHA-256 of every array of a compressed directory, as its manifest records them, by
+    ``dense/<path>`` and ``<layer>/<path>``."""
+    with open(os.path.join(output_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    checksums = {f"dense/{path}": digest for path, digest in manifest["dense"]["checksums"].items()}
+    for layer, record in manifest["layers"].items():
+        checksums.update(
+            {f"{layer}/{path}": digest for path, digest in record["checksums"].items()}
+        )
+    return checksums
+
+
+def cli_flags(setup, output_dir, config_file) -> list[str]:
+    """The flags of ``options(setup, output_dir)`` for ``python -m qmoe_jax.compress``
+    (``config_file``: the tiny model's config as JSON)."""
+    values = dict(vars(options(setup, output_dir)), config=config_file)
+    names = ("checkpoint", "config", "tokenizer", "calibration", "num_samples", "inputs_length")
+    flags = []
+    for name in (*names, "batch_size", "group_size", "output_dir"):
+        flags += [f"--{name}", str(values[name])]
+    return flags
