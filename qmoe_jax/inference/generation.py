@@ -74,9 +74,10 @@ def encode_prompts(
 
 
 def available_memory_bytes() -> int | None:
-    """Memory the first device may still use: its allocator's free bytes on an accelerator, the
-    host's available memory on CPU; None when neither is known."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """Memory this process's first device may still use: its allocator's free bytes on an
+    accelerator, the host's available memory on CPU; None when neither is known. (A device of
+    another process of a multi-process run has no memory statistics here.)"""
+    stats = jax.local_devices()[0].memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     try:
