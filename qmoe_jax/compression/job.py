@@ -310,6 +310,18 @@ def _resume_advice(writer: SharedWriter, config: SwitchConfig) -> str:
     )
 
 
+def _check_same_source(fingerprints: list[str], path: str) -> None:
+    """Raises ``ValueError`` unless every process of the run sees a source with the same content
+    fingerprint (``fingerprints``, in process order)."""
+    differing = [index for index, found in enumerate(fingerprints) if found != fingerprints[0]]
+    if differing:
+        raise ValueError(
+            f"the source checkpoint {path} differs between the processes of this run: process "
+            f"{differing[0]} sees another checkpoint (content fingerprint) than process 0; give "
+            "every process the same checkpoint (one shared path, or identical copies)"
+        )
+
+
 def _resuming(writer: SharedWriter, config: SwitchConfig, path: str) -> str:
     started_from = writer.started_from
     moved = (
@@ -362,6 +374,7 @@ def compress_checkpoint(
             return source, chosen, tokenizer, source_fingerprint(source)
 
         source, config, tokenizer, fingerprint = exchange.checked(prepare)
+        _check_same_source(exchange.allgather_objects(fingerprint), path)
         output_dir = options.output_dir or os.path.join("runs", "compressed", config.name)
         gptq_memory_mb = exchange.decided(
             lambda: options.gptq_memory_mb or default_gptq_memory_mb()

@@ -226,3 +226,11 @@ def test_a_source_changed_while_the_run_reads_it_is_an_error(tiny_setup, tmp_pat
     ):
         compress_checkpoint(run, **QUIET)
     assert not CompressedCheckpoint(run.output_dir).complete
+
+
+def test_processes_that_see_different_sources_are_refused():
+    from qmoe_jax.compression.job import _check_same_source
+
+    _check_same_source(["a" * 64] * 3, "/data/source")
+    with pytest.raises(ValueError, match=r"process 2 sees another checkpoint .* than process 0"):
+        _check_same_source(["a" * 64, "a" * 64, "b" * 64], "/data/source")
