@@ -12,6 +12,7 @@ Tasks: span_corruption[:bundled|c4:<dir>|text:<glob>], jsonl:<train>[,<validatio
 interruption (even kill -9) resumes from the last checkpoint; other settings are refused.
 The run directory gets metrics.jsonl, metrics.png, train_state/ and model/: a compressed
 checkpoint for a compressed input, a T5X checkpoint for a T5X one (docs/format.md §8.9, §11).
+Several processes (one per host) train data-parallel as one run: docs/multihost.md.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import sys
 
 from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
+from qmoe_jax.distributed import runtime as distributed_runtime
 from qmoe_jax.training import FinetuneOptions, finetune
 from qmoe_jax.training.finetuning import ACTIVATIONS
 
@@ -74,6 +76,7 @@ def parse_options(argv: list[str]) -> FinetuneOptions:
     parser.add_argument("--dropout_rate", type=finite_float, help="default: the model config's")
     parser.add_argument("--activations", choices=ACTIVATIONS, default=DEFAULTS.activations)
     add_debug_flag(parser)
+    distributed_runtime.add_flags(parser)
     args = vars(parser.parse_args(argv))
     args.pop("debug")
     if args["trainable"] is not None:
@@ -87,7 +90,7 @@ def main_(argv: list[str]) -> None:
         log=lambda line: print(line, file=sys.stderr, flush=True),
         progress=sys.stderr.isatty(),
     )
-    print(strict_json.dumps(summary, what="the fine-tuning summary"))
+    distributed_runtime.lead_only(print)(strict_json.dumps(summary, what="the fine-tuning summary"))
 
 
 def main(argv=None) -> None:

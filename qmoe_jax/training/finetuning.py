@@ -11,7 +11,11 @@ cross-entropy + the model's ``aux_loss_factor`` · load balancing +
 warm-up to ``learning_rate``, cosine decay to ``final_learning_rate_fraction``
 of it; AdamW (b1 0.9, b2 0.98) after clipping the global gradient norm.
 Data-parallel: micro-batches are split over all devices along the batch, the
-compressed experts sharded over them as in expert-parallel inference.
+compressed experts sharded over them as in expert-parallel inference. With
+several processes (docs/multihost.md) the devices are every process's: each
+process builds the same batches and feeds its devices' slice; the lead alone
+logs and writes the manifest, metrics and model; all take part in each Orbax
+checkpoint.
 """
 
 from __future__ import annotations
@@ -35,10 +39,11 @@ from tqdm import tqdm
 from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 from qmoe_jax.checkpoints.format_v1 import MANIFEST
-from qmoe_jax.checkpoints.output_dir import claimed
 from qmoe_jax.checkpoints.strict_json import nonfinite_paths
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.data import Tokenizer, bundled
+from qmoe_jax.distributed import exchange, runtime
+from qmoe_jax.distributed.output_dir import claimed
 from qmoe_jax.inference.evaluation import model_inputs, padded_batches, token_cross_entropy
 from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
 from qmoe_jax.inference.strategies import DecodingConfig, generate
@@ -272,7 +277,8 @@ def evaluate(
                 DecodingConfig(method="greedy", max_decode_length=targets.shape[1]),
             )
             real = batch["decoder_loss_weights"].sum(1) > 0
-            matches += int(np.sum(np.all(np.asarray(decoded.tokens) == targets, axis=1) & real))
+            tokens = exchange.host_array(decoded.tokens)
+            matches += int(np.sum(np.all(tokens == targets, axis=1) & real))
             examples += int(real.sum())
     loss_sum, weight_sum, correct = totals
     record = {
@@ -311,6 +317,19 @@ def _source_record(path: str) -> dict:
     return {"kind": "t5x", "fingerprint": source_fingerprint(open_t5x_checkpoint(path))}
 
 
+def _on_host(params: dict) -> dict:
+    """``params`` as NumPy arrays in every process, for the lead to write: arrays sharded over
+    several processes' devices are gathered (collective). The compressed expert stacks stay as they
+    are: the written model copies them from the source."""
+    if runtime.process_count() == 1:
+        return params
+    return jax.tree.map(
+        lambda leaf: leaf if isinstance(leaf, CompressedExperts) else exchange.host_array(leaf),
+        params,
+        is_leaf=lambda leaf: isinstance(leaf, CompressedExperts),
+    )
+
+
 def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -318,22 +337,30 @@ def _peak_rss_mib() -> float:
 def finetune(
     options: FinetuneOptions, log: Callable[[str], None] = print, progress: bool = True
 ) -> dict:
-    """Fine-tunes (or resumes fine-tuning) and writes the model; returns the run's summary."""
+    """Fine-tunes (or resumes fine-tuning) and writes the model; returns the run's summary (in
+    every process of a multi-process run; only the lead logs)."""
+    log = runtime.lead_only(log)
+    progress = progress and runtime.is_lead()
     path = options.checkpoint or bundled.checkpoint_path()
-    tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
-    task = load_task(options.task, tokenizer, options.inputs_length, options.eval_examples)
     devices = jax.device_count()
     if options.batch_size % devices:
         raise ValueError(
             f"--batch_size {options.batch_size} must be divisible by the {devices} devices"
         )
     compressed = is_compressed_checkpoint(path)
-    opened = open_model(
-        path,
-        resolve_config(options.config) if options.config else None,
-        options.experts if compressed else None,
-        dtype=jnp.float32,
-    )
+
+    def load():  # in every process
+        tokenizer = Tokenizer(options.tokenizer or bundled.tokenizer_path())
+        task = load_task(options.task, tokenizer, options.inputs_length, options.eval_examples)
+        opened = open_model(
+            path,
+            resolve_config(options.config) if options.config else None,
+            options.experts if compressed else None,
+            dtype=jnp.float32,
+        )
+        return tokenizer, task, opened
+
+    tokenizer, task, opened = exchange.checked(load)
     if tokenizer.vocab_size > opened.config.vocab_size:
         raise ValueError(
             f"the tokenizer {tokenizer.model_path} has {tokenizer.vocab_size} ids but the model "
@@ -372,7 +399,9 @@ def finetune(
         frozen = jax.device_put(frozen, replicated)
     trainable = jax.device_put(trainable, replicated)
     optimizer = make_optimizer(options)
-    opt_state = optimizer.init(trainable)
+    # Every leaf on the mesh, the step count too (else a scalar on one device): Orbax restores
+    # each leaf where it was, and the train step takes no mix of one device and the mesh.
+    opt_state = jax.jit(optimizer.init, out_shardings=replicated)(trainable)
     record = {"settings": options.settings(), "source": {"path": path, **_source_record(path)}}
     counted = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trainable))
     log(
@@ -418,8 +447,9 @@ def finetune(
                 log,
             )
             summary["trainable_parameters"] = counted
-            summary["model"] = _export(
-                options, opened.kind, path, run, summary.pop("params"), record["settings"]
+            params = _on_host(summary.pop("params"))
+            summary["model"] = exchange.decided(
+                lambda: _export(options, opened.kind, path, run, params, record["settings"])
             )
             run.finish(os.path.relpath(summary["model"], directory), summary)
         finally:
@@ -480,11 +510,12 @@ def _train(
         _require_finite_metrics(record, run)
         run.append_metrics(record)
         records.append(record)
-        plot_metrics(
-            records,
-            run.path("metrics.png"),
-            f"{options.task}: {options.checkpoint or 'bundled model'}",
-        )
+        if runtime.is_lead():
+            plot_metrics(
+                records,
+                run.path("metrics.png"),
+                f"{options.task}: {options.checkpoint or 'bundled model'}",
+            )
         log(
             " ".join(
                 f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()

@@ -16,6 +16,10 @@ into place when complete, so ``kill -9`` leaves the completed steps intact and
 the half-written one unrecognized (and removed when the run restarts). The model
 is written to ``model.partial/`` and renamed; only then is the run marked
 complete. A restarted run must have the same settings and source.
+
+With several processes (docs/multihost.md) the lead (process 0) alone writes
+the manifest, the metrics and the model; every process takes part in each
+Orbax checkpoint, as Orbax's multi-process checkpointing requires.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import orbax.checkpoint as ocp
 from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.checkpoints.format_v1 import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
+from qmoe_jax.distributed import exchange, runtime
 
 FORMAT = "qmoe_jax.finetune"
 FORMAT_VERSION = 1
@@ -65,6 +70,21 @@ class RunDirectory:
 
     def __init__(self, directory: str, record: dict):
         self.directory = directory
+        self.manifest = exchange.decided(lambda: self._open_manifest(record))
+        self.checkpoints = ocp.CheckpointManager(
+            self.path(TRAIN_STATE),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=KEEP_CHECKPOINTS,
+                enable_async_checkpointing=False,
+                cleanup_tmp_directories=True,
+                create=True,
+            ),
+        )
+
+    def _open_manifest(self, record: dict) -> dict:
+        """The stored run's manifest (checked against ``record``) or a new one; removes a
+        half-written model."""
+        directory = self.directory
         record = json.loads(json.dumps(record))
         stored = read_json_object(os.path.join(directory, MANIFEST))
         if stored is not None:
@@ -75,28 +95,20 @@ class RunDirectory:
                     f"({'; '.join(differences)}); re-run "
                     "with the same flags to resume it, or choose a new --output_dir"
                 )
-            self.manifest = stored
+            manifest = stored
         else:
-            self.manifest = {
+            manifest = {
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
                 **record,
                 "complete": False,
                 "model": None,
             }
-            write_json_atomic(os.path.join(directory, MANIFEST), self.manifest)
+            write_json_atomic(os.path.join(directory, MANIFEST), manifest)
         partial = self.path(MODEL + ".partial")
         if os.path.exists(partial):
             shutil.rmtree(partial)
-        self.checkpoints = ocp.CheckpointManager(
-            self.path(TRAIN_STATE),
-            options=ocp.CheckpointManagerOptions(
-                max_to_keep=KEEP_CHECKPOINTS,
-                enable_async_checkpointing=False,
-                cleanup_tmp_directories=True,
-                create=True,
-            ),
-        )
+        return manifest
 
     def path(self, name: str) -> str:
         return os.path.join(self.directory, name)
@@ -120,7 +132,10 @@ class RunDirectory:
 
     def metrics_records(self, up_to_step: int) -> list[dict]:
         """The metrics of steps ≤ ``up_to_step`` (what a resumed run keeps); rewrites the file
-        without the rest."""
+        without the rest (the lead; every process gets the records)."""
+        return exchange.decided(lambda: self._kept_metrics(up_to_step))
+
+    def _kept_metrics(self, up_to_step: int) -> list[dict]:
         path = self.path(METRICS)
         if not os.path.exists(path):
             return []
@@ -134,6 +149,8 @@ class RunDirectory:
         return kept
 
     def append_metrics(self, record: dict) -> None:
+        if not runtime.is_lead():
+            return
         with open(self.path(METRICS), "a") as f:
             f.write(strict_json.dumps(record, what=METRICS) + "\n")
             f.flush()
@@ -143,7 +160,7 @@ class RunDirectory:
         """Marks the run complete once its model is in place (``model_path`` relative to the
         directory)."""
         self.manifest.update(complete=True, model=model_path, summary=summary)
-        write_json_atomic(self.path(MANIFEST), self.manifest)
+        exchange.decided(lambda: write_json_atomic(self.path(MANIFEST), self.manifest))
 
     def close(self) -> None:
         self.checkpoints.close()
