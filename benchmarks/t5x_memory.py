@@ -208,7 +208,8 @@ def main() -> None:
     from qmoe_jax.checkpoints.output_dir import read_json_object
 
     manifest = read_json_object(os.path.join(compressed, "manifest.json")) or {}
-    if not manifest.get("complete"):
+    stored_model = manifest.get("header", {}).get("model", {})
+    if not manifest.get("complete") or stored_model.get("num_experts") != args.num_experts:
         shutil.rmtree(compressed, ignore_errors=True)
         write_compressed(compressed, config)
     report = {
