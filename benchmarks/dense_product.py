@@ -25,14 +25,13 @@ ratios hold better than the times, and neither is a measurement of the machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 import numpy as np
-from machine import cpu_model
+from common import cpu_model, result_path, write_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -82,9 +81,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument(
-        "--output", default=os.path.join(REPO, "benchmarks", "results", "dense_product.json")
-    )
+    parser.add_argument("--output", default=result_path("dense_product"))
     args = parser.parse_args()
 
     import jax
@@ -138,20 +135,7 @@ def main() -> None:
                 "time_over_f32_dot": ratio,
             }
         )
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(
-            {
-                "cpu": cpu,
-                "cores": os.cpu_count(),
-                "command": " ".join(sys.argv),
-                "load_averages": loads,
-                "rows": rows,
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {args.output}")
+    write_result("dense_product", {"load_averages": loads, "rows": rows}, args.output)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ Measures, greedy decoding at batch 1 from a random prompt of --prompt_length tok
                     sparse decoder layer (compressed: the mean expert's codes, row offsets and
                     row grid), and the KV cache at its mean length
   bound ms          MB/token / the copy bandwidth measured in the same run, beside every round
-                    (benchmarks/machine.py: every core copying, read + write bytes)
+                    (benchmarks/common.py: every core copying, read + write bytes)
   of bound          bound ms / measured ms per token
 
 Each form of a model lives in its own child process for the whole run (so that its peak RSS is
