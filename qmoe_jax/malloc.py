@@ -8,7 +8,8 @@ arenas per core holds freed memory in per-thread arenas and inflates peak RSS;
 the compressor caps them at 2 (M_ARENA_MAX, set in-process).
 
 **Free memory** (``release_free_memory``): ``malloc_trim(0)`` after a step that freed much of
-what it allocated (opening a model for inference), so the freed heap leaves the resident set.
+what it allocated (opening a model for inference; each expert group the compressor finishes), so
+the freed heap leaves the resident set.
 
 **Huge pages** (``reexec_with_huge_pages``): XLA:CPU allocates a program's
 buffers afresh on every call, and the big ones are big: a switch-base wo

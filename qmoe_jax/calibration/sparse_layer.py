@@ -35,6 +35,7 @@ from qmoe_jax.checkpoints.layer_arrays import (
     ternary_arrays,
 )
 from qmoe_jax.codec import Dictionary, decode_codes, encode_experts
+from qmoe_jax.malloc import release_free_memory
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.models.mlp import kernel_names
 
@@ -306,6 +307,13 @@ def compress_layer(
                 group_seconds[stage] = max(group_seconds[stage], value)
         for stage, value in group_seconds.items():
             seconds[stage] += value
+        # The group's kernels, inputs and outputs, and XLA's buffers for its calls, were freed in
+        # many blocks of a few MiB that glibc keeps in its heaps (in the resident set), and the
+        # next group's differently sized blocks do not reuse all of them: returned to the system
+        # here, a layer's peak is one group's work instead of the sum of its leftovers
+        # (docs/measurements.md, streaming.py).
+        del group, part, parts, result
+        release_free_memory()
         on_group(len(experts))
     arrays = {}
     kernel_stats = {}
