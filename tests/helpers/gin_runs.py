@@ -34,17 +34,22 @@ def write_tiny_gin(path) -> None:
 
 
 def span_corruption_flags(
-    checkpoint: str, gin_folder: str, text: str, tokenizer: str, output_dir: str
+    checkpoint: str,
+    gin_folder: str,
+    text: str,
+    tokenizer: str,
+    output_dir: str,
+    task: str = "text_span_corruption",
 ) -> list[str]:
-    """``python -m qmoe_jax.evaluate``'s gin flags for 20 span-corruption examples of ``text``
-    (``gin_folder`` holds tiny.gin)."""
+    """``python -m qmoe_jax.evaluate``'s gin flags for ``task`` (default: 20 span-corruption
+    examples of ``text``; ``gin_folder`` holds tiny.gin)."""
     return [
         "--gin_file=runs/eval.gin",
         "--gin_file=tiny.gin",
         f"--gin_search_paths={gin_folder}",
         f"--gin.CHECKPOINT_PATH='{checkpoint}'",
         f"--gin.EVAL_OUTPUT_DIR='{output_dir}'",
-        "--gin.MIXTURE_OR_TASK_NAME='text_span_corruption'",
+        f"--gin.MIXTURE_OR_TASK_NAME='{task}'",
         f"--gin.TOKENIZER='{tokenizer}'",
         f"--gin.TEXT_FILES='{text}'",
         "--gin.BATCH_SIZE=8",

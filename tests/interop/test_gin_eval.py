@@ -12,8 +12,9 @@ import gin
 import numpy as np
 import pytest
 from helpers.child_process import TESTS_DIR, child_env
+from helpers.gin_runs import span_corruption_flags, write_tiny_gin
 from helpers.json_lines import read_json_lines
-from helpers.switch_fixtures import TINY, write_c4_shard, write_calibration_text
+from helpers.switch_fixtures import write_c4_shard, write_calibration_text
 from helpers.text import synthetic_sentences
 
 from qmoe_jax import evaluate as evaluate_cli
@@ -26,38 +27,13 @@ from qmoe_jax.interop import gin_eval  # noqa: F401  (registers the configurable
 from qmoe_jax.interop.gin_flags import CONFIGS_DIR
 from qmoe_jax.models import config_names, get_config
 
-MACROS = {
-    "num_encoder_layers": "NUM_ENCODER_LAYERS",
-    "num_decoder_layers": "NUM_DECODER_LAYERS",
-    "num_heads": "NUM_HEADS",
-    "d_kv": "HEAD_DIM",
-    "d_model": "EMBED_DIM",
-    "d_ff": "MLP_DIM",
-    "vocab_size": "NUM_EMBEDDINGS",
-    "num_experts": "NUM_EXPERTS",
-    "num_encoder_sparse_layers": "NUM_ENCODER_SPARSE_LAYERS",
-    "num_decoder_sparse_layers": "NUM_DECODER_SPARSE_LAYERS",
-    "group_size": "GROUP_SIZE",
-    "eval_capacity_factor": "EVAL_EXPERT_CAPACITY_FACTOR",
-}
-
 
 @pytest.fixture(scope="module")
 def setup(compressed_tiny, tmp_path_factory):
     """(compressed dir, gin folder with tiny.gin, text glob, jsonl file, tokenizer)."""
     _, directory, tokenizer = compressed_tiny
     root = tmp_path_factory.mktemp("gin")
-    lines = [f"{macro} = {getattr(TINY, field)!r}" for field, macro in MACROS.items()]
-    lines += [
-        "ACTIVATION_DTYPE = 'float32'",
-        "MODEL = @qmoe_jax.SwitchConfig()",
-        "qmoe_jax.SwitchConfig:",
-        "  name = 'tiny'",
-        "  min_expert_capacity = 4",
-        "  dtype = %ACTIVATION_DTYPE",
-    ]
-    lines += [f"  {field} = %{macro}" for field, macro in MACROS.items()]
-    (root / "tiny.gin").write_text("\n".join(lines) + "\n")
+    write_tiny_gin(root / "tiny.gin")
     text = write_calibration_text(root / "validation.txt", sentences=300, seed=7)
     jsonl = root / "pairs.jsonl"
     sentences = synthetic_sentences(10, seed=3)
@@ -71,21 +47,9 @@ def setup(compressed_tiny, tmp_path_factory):
 
 def run(setup, output_dir, *extra, task="text_span_corruption"):
     directory, root, text, jsonl, tokenizer = setup
-    argv = [
-        "--gin_file=runs/eval.gin",
-        "--gin_file=tiny.gin",
-        f"--gin_search_paths={root}",
-        f"--gin.CHECKPOINT_PATH='{directory}'",
-        f"--gin.EVAL_OUTPUT_DIR='{output_dir}'",
-        f"--gin.MIXTURE_OR_TASK_NAME='{task}'",
-        f"--gin.TOKENIZER='{tokenizer.model_path}'",
-        f"--gin.TEXT_FILES='{text}'",
-        f"--gin.JSONL_FILE='{jsonl}'",
-        "--gin.BATCH_SIZE=8",
-        "--gin.TASK_FEATURE_LENGTHS={'inputs': 32}",
-        "--gin_bindings=text_span_corruption/qmoe_jax.SpanCorruptionTask.num_examples = 20",
-        *extra,
-    ]
+    argv = span_corruption_flags(
+        directory, root, text, tokenizer.model_path, output_dir, task=task
+    ) + [f"--gin.JSONL_FILE='{jsonl}'", *extra]
     evaluate_cli.evaluate(argv)
 
 

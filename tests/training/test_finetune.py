@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers.child_process import popen_python, run_python
+from helpers.finetune_tasks import write_first_word_task
 from helpers.json_lines import read_json_lines
 from helpers.switch_fixtures import TINY
 from helpers.text import synthetic_sentences
@@ -43,11 +44,7 @@ def tiny(tmp_path_factory, compressed_tiny, tiny_tokenizer):
     checkpoint, compressed, _ = compressed_tiny
     config = root / "tiny.json"
     config.write_text(json.dumps(dataclasses.asdict(TINY)))
-    sentences = synthetic_sentences(400, seed=3)
-    lines = [json.dumps({"inputs": "first word: " + s, "targets": s.split()[0]}) for s in sentences]
-    (root / "train.jsonl").write_text("\n".join(lines[:360]) + "\n")
-    (root / "validation.jsonl").write_text("\n".join(lines[360:]) + "\n")
-    task = f"jsonl:{root / 'train.jsonl'},{root / 'validation.jsonl'}"
+    task = write_first_word_task(root)
     return checkpoint, compressed, str(config), task, tiny_tokenizer.model_path
 
 

@@ -9,8 +9,8 @@ import json
 import time
 
 import pytest
+from helpers.finetune_tasks import write_first_word_task
 from helpers.multiprocess import ProcessGroup, describe, printed_nothing, run_processes
-from helpers.text import synthetic_sentences
 
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 from qmoe_jax.training import FinetuneOptions, finetune
@@ -24,11 +24,7 @@ def tiny(tmp_path_factory, compressed_tiny, tiny_tokenizer):
     """(compressed directory, jsonl task, tokenizer path) of the tiny model."""
     root = tmp_path_factory.mktemp("finetune")
     _, compressed, _ = compressed_tiny
-    sentences = synthetic_sentences(400, seed=3)
-    lines = [json.dumps({"inputs": "first word: " + s, "targets": s.split()[0]}) for s in sentences]
-    (root / "train.jsonl").write_text("\n".join(lines[:360]) + "\n")
-    (root / "validation.jsonl").write_text("\n".join(lines[360:]) + "\n")
-    task = f"jsonl:{root / 'train.jsonl'},{root / 'validation.jsonl'}"
+    task = write_first_word_task(root)
     return compressed, task, tiny_tokenizer.model_path
 
 
