@@ -83,9 +83,23 @@ QMOE_DENSE_AVX2_INLINE float Sum8(__m256 v) {
 // The same tile with AVX2: 8 columns per step, R * T accumulators (at most 12,
 // so that they, the T loads of x and one converted weight vector fit the 16
 // registers).
+//
+// The R rows of a tile are one contiguous block of memory, read as R short streams (a row of
+// a decoder matrix is a few cache lines), too short for the hardware prefetchers to follow. So
+// each step also prefetches the next tile's block linearly, as many bytes as the step consumes
+// (Prefetch): the whole next block is in flight by the time the tile ends.
+template <int kBytesPerStep>
+QMOE_DENSE_AVX2_INLINE void Prefetch(const char* block, int64_t step) {
+#pragma GCC unroll 8
+  for (int b = 0; b < kBytesPerStep; b += 64) {
+    _mm_prefetch(block + step * kBytesPerStep + b, _MM_HINT_T0);
+  }
+}
+
 template <typename W, int R, int T>
 QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* out) {
   static_assert(R * T + T + 1 <= 16, "the tile must fit the 16 vector registers");
+  const char* next = reinterpret_cast<const char*>(w + R * cols);
   __m256 sums[T][R];
 #pragma GCC unroll 16
   for (int t = 0; t < T; ++t) {
@@ -94,6 +108,7 @@ QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* o
   }
   int64_t j = 0;
   for (; j + 8 <= cols; j += 8) {
+    Prefetch<R * 8 * static_cast<int>(sizeof(W))>(next, j / 8);
     __m256 values[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) values[t] = _mm256_loadu_ps(x + t * cols + j);
@@ -125,6 +140,7 @@ QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int6
                                    float* out) {
   static_assert(R * T + 2 * T + 3 <= 16, "the tile must fit the 16 vector registers");
   const int64_t half = cols / 2;
+  const char* next = reinterpret_cast<const char*>(w + R * cols);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 sums[T][R];
 #pragma GCC unroll 16
@@ -133,6 +149,7 @@ QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int6
     for (int r = 0; r < R; ++r) sums[t][r] = _mm256_setzero_ps();
   }
   for (int64_t j = 0; j < half; j += 8) {
+    Prefetch<R * 32>(next, j / 8);
     __m256 even[T], odd[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
