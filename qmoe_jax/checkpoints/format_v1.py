@@ -51,7 +51,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from qmoe_jax.checkpoints import strict_json
+from qmoe_jax.checkpoints import orbax_trees, strict_json
 from qmoe_jax.checkpoints.output_dir import (
     LOCK_FILE,
     MANIFEST,
@@ -191,27 +191,10 @@ def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
 
 
 def _checkpointer() -> ocp.Checkpointer:
-    """``PyTreeCheckpointer()``'s handler and defaults (the same files), except that numpy leaves
-    are written without Orbax's defensive deep copy: the save is synchronous, so nothing changes
-    them meanwhile, and a layer's peak memory drops by one copy of its arrays."""
-    registry = ocp.type_handlers.create_type_handler_registry(
-        (np.ndarray, ocp.type_handlers.NumpyHandler(deepcopy_host_arrays=False)),
-        *(
-            (kind, ocp.type_handlers.get_type_handler(kind))
-            for kind in (int, float, bytes, np.number, jax.Array, str)
-        ),
-    )
+    """The checkpointer of every tree of the format (``orbax_trees``): the files of
+    ``PyTreeCheckpointer()``, written by this process alone."""
     local = _this_process_only()
-    return ocp.Checkpointer(
-        ocp.PyTreeCheckpointHandler(
-            use_ocdbt=True,
-            use_zarr3=False,
-            use_compression=True,
-            type_handler_registry=registry,
-            multiprocessing_options=local,
-        ),
-        multiprocessing_options=local,
-    )
+    return ocp.Checkpointer(orbax_trees.handler(local), multiprocessing_options=local)
 
 
 def _this_process_only() -> ocp.options.MultiprocessingOptions:
@@ -224,7 +207,7 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
 
 def _save_tree(path: str, tree: dict) -> None:
     try:
-        _checkpointer().save(path, tree)
+        _checkpointer().save(path, args=orbax_trees.save_args(tree))
     except (
         ValueError
     ) as error:  # tensorstore reports a failed write, a full disk included, as a ValueError

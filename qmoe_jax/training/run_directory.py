@@ -19,7 +19,9 @@ complete. A restarted run must have the same settings and source.
 
 With several processes (docs/multihost.md) the lead (process 0) alone writes
 the manifest, the metrics and the model; every process takes part in each
-Orbax checkpoint, as Orbax's multi-process checkpointing requires.
+Orbax checkpoint, as Orbax's multi-process checkpointing requires. Checkpoints are written
+without a copy of the state first (``checkpoints.orbax_trees``): saving does not double the
+memory the state takes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import shutil
 
 import orbax.checkpoint as ocp
 
-from qmoe_jax.checkpoints import strict_json
+from qmoe_jax.checkpoints import orbax_trees, strict_json
 from qmoe_jax.checkpoints.format_v1 import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
 from qmoe_jax.distributed import exchange, runtime
@@ -71,8 +73,12 @@ class RunDirectory:
     def __init__(self, directory: str, record: dict):
         self.directory = directory
         self.manifest = exchange.decided(lambda: self._open_manifest(record))
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        for args in (ocp.args.PyTreeSave, ocp.args.PyTreeRestore):
+            registry.add(None, args, orbax_trees.handler())
         self.checkpoints = ocp.CheckpointManager(
             self.path(TRAIN_STATE),
+            handler_registry=registry,
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=KEEP_CHECKPOINTS,
                 enable_async_checkpointing=False,
@@ -121,14 +127,19 @@ class RunDirectory:
         return self.checkpoints.latest_step()
 
     def save(self, step: int, state: dict) -> None:
-        """Saves ``{"trainable": …, "opt_state": …}`` as step ``step`` (atomically)."""
-        self.checkpoints.save(step, args=ocp.args.StandardSave(state), force=True)
+        """Saves ``{"trainable": …, "opt_state": …}`` as step ``step`` (atomically), synchronously
+        and without copying the arrays first (``orbax_trees``)."""
+        tree = orbax_trees.host_views(state)
+        self.checkpoints.save(step, args=orbax_trees.save_args(tree), force=True)
         self.checkpoints.wait_until_finished()
 
     def restore(self, step: int, abstract_state: dict) -> dict:
         """The state saved at ``step``, in the structure, shapes and shardings of
         ``abstract_state``."""
-        return self.checkpoints.restore(step, args=ocp.args.StandardRestore(abstract_state))
+        restore_args = ocp.checkpoint_utils.construct_restore_args(abstract_state)
+        return self.checkpoints.restore(
+            step, args=ocp.args.PyTreeRestore(abstract_state, restore_args=restore_args)
+        )
 
     def metrics_records(self, up_to_step: int) -> list[dict]:
         """The metrics of steps ≤ ``up_to_step`` (what a resumed run keeps); rewrites the file
