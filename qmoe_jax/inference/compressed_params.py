@@ -142,6 +142,12 @@ def load_compressed_model(
                 expert[kernel] = jax.tree.map(jnp.asarray, compressed_stack(stored, cols))
                 if adapter is not None:
                     expert.setdefault(LORA, {})[kernel] = _cast(adapter, dtype)
+    return placed_model(config, params, dictionaries, grid, experts, mesh)
+
+
+def placed_model(config, params, dictionaries, grid, experts: str, mesh) -> CompressedModel:
+    """The loaded model, on ``mesh`` when one is given and the experts are compressed: each
+    ``CompressedExperts`` stack split over the mesh's "expert" axis, everything else replicated."""
     if mesh is None or experts == "dense":
         return CompressedModel(config, params, dictionaries, grid, experts)
     if config.num_experts % mesh.shape["expert"]:

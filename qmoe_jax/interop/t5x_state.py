@@ -25,10 +25,10 @@ import tensorstore as ts
 
 from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpointError, array_checksum
+from qmoe_jax.checkpoints.layer_arrays import compressed_stack
 from qmoe_jax.checkpoints.storage import location, open_zarrs
 from qmoe_jax.checkpoints.t5x_orbax import METADATA_FILE, STATE_DIR
-from qmoe_jax.codec import CompressedExperts
-from qmoe_jax.inference.compressed_params import CompressedModel, dequantized_kernel
+from qmoe_jax.inference.compressed_params import CompressedModel, dequantized_kernel, placed_model
 from qmoe_jax.interop.t5x_layout import ARRAYS, COLLECTION, CompressedLayout, read_layout
 from qmoe_jax.models import SwitchConfig
 from qmoe_jax.quant import GridConfig
@@ -117,26 +117,5 @@ def load_t5x_compressed_model(
                     )
                 }
             else:
-                expert[kernel] = CompressedExperts(
-                    jnp.asarray(arrays["codes"]),
-                    jnp.asarray(arrays["row_offsets"]),
-                    jnp.asarray(arrays["minmax"]),
-                    shape.cols,
-                )
-    if mesh is None or experts == "dense":
-        return CompressedModel(config, params, dictionaries, grid, experts)
-    if config.num_experts % mesh.shape["expert"]:
-        raise ValueError(
-            f"{config.num_experts} experts per layer cannot be split evenly over "
-            f"{mesh.shape['expert']} devices; use a device count that divides {config.num_experts}"
-        )
-    by_expert = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("expert"))
-    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    placement = jax.tree.map(
-        lambda leaf: by_expert if isinstance(leaf, CompressedExperts) else replicated,
-        params,
-        is_leaf=lambda leaf: isinstance(leaf, CompressedExperts),
-    )
-    return CompressedModel(
-        config, jax.device_put(params, placement), dictionaries, grid, experts, mesh
-    )
+                expert[kernel] = jax.tree.map(jnp.asarray, compressed_stack(arrays, shape.cols))
+    return placed_model(config, params, dictionaries, grid, experts, mesh)
