@@ -49,7 +49,7 @@ from qmoe_jax.data import (
 )
 from qmoe_jax.data.sources import c4_shard_paths
 from qmoe_jax.distributed import exchange, runtime
-from qmoe_jax.distributed.output_dir import claimed
+from qmoe_jax.distributed.claimed_dir import claimed
 from qmoe_jax.inference import load_t5x_params, validation_set
 from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.inference.evaluation import batch_sums, make_eval_step, mean_of_sums, padded_batches

@@ -29,7 +29,7 @@ from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.distributed import exchange, runtime
-from qmoe_jax.distributed.output_dir import claimed
+from qmoe_jax.distributed.claimed_dir import claimed
 from qmoe_jax.inference.generation import generate_tokens
 from qmoe_jax.inference.loading import OpenedModel, is_compressed_checkpoint, open_model
 from qmoe_jax.inference.scoring import score_examples

@@ -43,7 +43,7 @@ from qmoe_jax.checkpoints.strict_json import nonfinite_paths
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.distributed import exchange, runtime
-from qmoe_jax.distributed.output_dir import claimed
+from qmoe_jax.distributed.claimed_dir import claimed
 from qmoe_jax.inference.evaluation import model_inputs, padded_batches, token_cross_entropy
 from qmoe_jax.inference.loading import is_compressed_checkpoint, open_model
 from qmoe_jax.inference.strategies import DecodingConfig, generate
