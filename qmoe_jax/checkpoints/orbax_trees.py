@@ -7,8 +7,9 @@ by any Orbax or tensorstore reader) with two changes that only lower the writer'
 - **No defensive copy of host arrays.** Orbax deep-copies a NumPy leaf, and copies a
   ``jax.Array`` to the host, before it writes, so that a caller may change the arrays while an
   asynchronous save runs. These saves are synchronous, so the arrays are written where they are:
-  ``host_views`` turns a process's single-device CPU arrays into NumPy views of the same memory,
-  and the handler writes NumPy leaves without copying them.
+  ``host_views`` turns a process's CPU arrays that sit in one buffer into NumPy views of that
+  memory, and the handler writes NumPy leaves without copying them. The views are dropped when
+  the save returns, so a later jitted step may still donate the arrays.
 - **Bounded data files.** ``DATA_FILE_BYTES`` is the target size of the OCDBT data files, and so
   the largest zarr chunk of an array (Orbax splits an array of more bytes). While it writes,
   tensorstore holds an encoded copy of each chunk in flight and of the unfinished data file; with
