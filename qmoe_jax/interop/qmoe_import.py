@@ -20,7 +20,6 @@ changed.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -50,6 +49,7 @@ from qmoe_jax.interop.qmoe_layout import (
     QMoELayoutError,
     read_layer,
 )
+from qmoe_jax.malloc import release_free_memory
 from qmoe_jax.models import param_shapes
 from qmoe_jax.quant import GridConfig
 
@@ -152,16 +152,6 @@ def _recheck_sources(writer: CompressedCheckpointWriter, layers: dict[str, Layer
             writer.discard_layer(name)
 
 
-def _release_freed_memory() -> None:
-    """Returns freed heap memory to the system (glibc ``malloc_trim``): tensorstore's encode
-    buffers, freed after a layer is written, otherwise stay resident and add one layer's size to the
-    next layer's peak."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: nothing to trim
-
-
 def _resume_advice(writer: CompressedCheckpointWriter, layers: dict[str, LayerFile]) -> str:
     done = len(writer.finished_layers())
     return f"re-run the same command to resume ({done} of {len(layers)} layers imported)"
@@ -256,7 +246,7 @@ def _import(
     if not writer.has_dense():
         tick = time.perf_counter()
         writer.write_dense(directory.dense_params())
-        _release_freed_memory()
+        release_free_memory()
         seconds["dense"] = time.perf_counter() - tick
     dictionary = build_dictionary(DEFAULT_P0)
     fingerprint = writer.write_dictionary(dictionary)
@@ -282,7 +272,9 @@ def _import(
             }
             writer.write_layer(name, arrays, stats)
             del arrays
-            _release_freed_memory()
+            # tensorstore's encode buffers, freed once a layer is written, would stay resident and
+            # add to the next layer's peak
+            release_free_memory()
             seconds["write"] += time.perf_counter() - read
             bar.update(os.path.getsize(layer.path))
     total, experts = _parameter_counts(directory)
