@@ -1,7 +1,7 @@
 """Fine-tuning a compressed (or T5X) Switch model: options, the jitted step, the loop, resume and
 save_finetuned.
 
-Lingo: the *trainable* tree goes to optax (float32 master copies); the *frozen*
+Lingo: the *trainable* tree goes to the optimizer (float32 master copies); the *frozen*
 tree holds everything else, the ``CompressedExperts`` stacks (integer codes,
 run on the fused kernels, gradients flowing to their inputs through
 ``ops``' custom VJP) included. One optimizer step averages the gradients of
@@ -9,7 +9,8 @@ run on the fused kernels, gradients flowing to their inputs through
 cross-entropy + the model's ``aux_loss_factor`` · load balancing +
 ``router_z_loss_factor`` · router z-loss (``training/pretrain.py``). Schedule: linear
 warm-up to ``learning_rate``, cosine decay to ``final_learning_rate_fraction``
-of it; AdamW (b1 0.9, b2 0.98) after clipping the global gradient norm.
+of it; AdamW (b1 0.9, b2 0.98) after clipping the global gradient norm
+(``training/optimizer.py``: optax's math and state, one fused update per parameter).
 Data-parallel: micro-batches are split over all devices along the batch, the
 compressed experts sharded over them as in expert-parallel inference. With
 several processes (docs/multihost.md) the devices are every process's: each
@@ -51,6 +52,7 @@ from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.models.lora import LORA, init_adapter
 from qmoe_jax.training import save_finetuned
 from qmoe_jax.training.metrics import plot_metrics
+from qmoe_jax.training.optimizer import ClippedAdamW
 from qmoe_jax.training.pretrain import moe_aux_losses
 from qmoe_jax.training.run_directory import FINETUNE_OUTPUT, MODEL, RunDirectory
 from qmoe_jax.training.tasks import Task, load_task
@@ -176,12 +178,13 @@ def learning_rate_schedule(options: FinetuneOptions) -> optax.Schedule:
     )
 
 
-def make_optimizer(options: FinetuneOptions) -> optax.GradientTransformation:
-    return optax.chain(
-        optax.clip_by_global_norm(options.clip_norm),
-        optax.adamw(
-            learning_rate_schedule(options), b1=0.9, b2=0.98, weight_decay=options.weight_decay
-        ),
+def make_optimizer(options: FinetuneOptions) -> ClippedAdamW:
+    return ClippedAdamW(
+        learning_rate_schedule(options),
+        clip_norm=options.clip_norm,
+        weight_decay=options.weight_decay,
+        b1=0.9,
+        b2=0.98,
     )
 
 
@@ -196,7 +199,7 @@ def _scores(logits, batch):
     return loss_sum, weight_sum, correct.sum()
 
 
-def make_train_step(module, optimizer: optax.GradientTransformation, accumulate: int) -> Callable:
+def make_train_step(module, optimizer: ClippedAdamW, accumulate: int) -> Callable:
     """A jitted (trainable, opt_state, frozen, batches [accumulate, B, ...], rng) -> (trainable,
     opt_state, metrics); the gradient is the mean over the micro-batches of their token-mean losses'
     gradients."""
@@ -229,6 +232,14 @@ def make_train_step(module, optimizer: optax.GradientTransformation, accumulate:
         jax.jit, donate_argnums=(0, 1)
     )  # the old parameters and moments are not kept
     def step(trainable, opt_state, frozen, batches, rng):
+        if accumulate == 1:  # no accumulator: the step then holds one gradient-sized buffer
+            batch = jax.tree.map(lambda x: x[0], batches)
+            (_, metrics), grads = gradient(trainable, frozen, batch, jax.random.fold_in(rng, 0))
+            trainable, opt_state, metrics["grad_norm"] = optimizer.apply(
+                trainable, grads, opt_state
+            )
+            return trainable, opt_state, metrics
+
         def micro(carry, inputs):
             batch, index = inputs
             (_, metrics), grads = gradient(trainable, frozen, batch, jax.random.fold_in(rng, index))
@@ -240,9 +251,8 @@ def make_train_step(module, optimizer: optax.GradientTransformation, accumulate:
         )
         (grads, metrics), _ = jax.lax.scan(micro, zeros, (batches, jnp.arange(accumulate)))
         grads, metrics = jax.tree.map(lambda x: x / accumulate, (grads, metrics))
-        updates, opt_state = optimizer.update(grads, opt_state, trainable)
-        metrics["grad_norm"] = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
-        return optax.apply_updates(trainable, updates), opt_state, metrics
+        trainable, opt_state, metrics["grad_norm"] = optimizer.apply(trainable, grads, opt_state)
+        return trainable, opt_state, metrics
 
     return step
 
