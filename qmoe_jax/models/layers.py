@@ -183,11 +183,14 @@ def dropout(
 class MultiHeadAttention(nn.Module):
     """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
 
-    In incremental decoding the ``cache`` collection holds ``cached_key``/
-    ``cached_value [B, L, h, k]``: for self-attention (``cache_position``
-    given) the keys/values of the steps so far (L = L_max); for cross-attention
-    (``cache_encoded=True``) the projected encoder outputs (L = L_enc), computed
-    once by the call that creates the cache.
+    In incremental decoding the ``cache`` collection holds ``cached_key
+    [B, h, k, L]`` and ``cached_value [B, h, L, k]``: for self-attention
+    (``cache_position`` given) the keys/values of the steps so far (L = L_max);
+    for cross-attention (``cache_encoded=True``) the projected encoder outputs
+    (L = L_enc), computed once by the call that creates the cache. These are the
+    orders in which XLA:CPU's two attention products take their operands: stored
+    as ``[B, L, h, k]``, every cached key and value was transposed into them on
+    every decoding step (docs/measurements.md, inference.py).
     """
 
     config: SwitchConfig
@@ -229,15 +232,16 @@ class MultiHeadAttention(nn.Module):
         if cache_encoded and self.has_variable("cache", "cached_key"):
             key = self.get_variable("cache", "cached_key")
             value = self.get_variable("cache", "cached_value")
-        else:
+        else:  # key [B, h, k, L_k], value [B, h, L_k, k]
             key = self._heads(DenseKernel(inner, cfg, init, name="key")(inputs_kv))
             value = self._heads(DenseKernel(inner, cfg, init, name="value")(inputs_kv))
+            key, value = key.transpose(0, 2, 3, 1), value.transpose(0, 2, 1, 3)
             if cache_encoded:
                 self.put_variable("cache", "cached_key", key)
                 self.put_variable("cache", "cached_value", value)
         if cache_position is not None:
             # The first decode call creates a zero cache sized by its inputs
-            # [B, L_max, ...]; later calls write their keys/values at
+            # (L = L_max); later calls write their keys/values at
             # cache_position and attend to everything written so far.
             initialized = self.has_variable("cache", "cached_key")
             cached_key = self.variable("cache", "cached_key", jnp.zeros, key.shape, key.dtype)
@@ -245,26 +249,29 @@ class MultiHeadAttention(nn.Module):
                 "cache", "cached_value", jnp.zeros, value.shape, value.dtype
             )
             if initialized:
-                start = (0, cache_position, 0, 0)
-                cached_key.value = jax.lax.dynamic_update_slice(cached_key.value, key, start)
-                cached_value.value = jax.lax.dynamic_update_slice(cached_value.value, value, start)
+                cached_key.value = jax.lax.dynamic_update_slice_in_dim(
+                    cached_key.value, key, cache_position, axis=3
+                )
+                cached_value.value = jax.lax.dynamic_update_slice_in_dim(
+                    cached_value.value, value, cache_position, axis=2
+                )
                 key, value = cached_key.value, cached_value.value
             query_positions = cache_position + jnp.arange(query.shape[1])
-            visible = jnp.arange(key.shape[1])[None, :] <= query_positions[:, None]
+            visible = jnp.arange(key.shape[3])[None, :] <= query_positions[:, None]
             mask = visible[None, None] if mask is None else mask & visible[None, None]
-        logits = jnp.einsum("bqhk,bthk->bhqt", query.astype(jnp.float32), key.astype(jnp.float32))
+        logits = jnp.einsum("bqhk,bhkt->bhqt", query.astype(jnp.float32), key.astype(jnp.float32))
         if mask is not None:
             logits = logits + jnp.where(mask, 0.0, MASK_BIAS)
         if bias is not None:
             logits = logits + bias
         weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
         weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
-        context = jnp.einsum("bhqt,bthk->bqhk", weights, value.astype(cfg.jnp_dtype))
+        context = jnp.einsum("bhqt,bhtk->bqhk", weights, value.astype(cfg.jnp_dtype))
         context = context.reshape(*context.shape[:2], inner)
         out = DenseKernel(cfg.d_model, cfg, init, name="out")(context)
         if cache_position is not None:
             # Feeding past the cache's end has no meaningful answer: NaN, not a clamp.
-            overflow = cache_position + query.shape[1] > key.shape[1]
+            overflow = cache_position + query.shape[1] > key.shape[3]
             out = jnp.where(overflow, jnp.nan, out).astype(out.dtype)
         return out
 
