@@ -23,6 +23,10 @@ from qmoe_jax import malloc
 if __name__ == "__main__":  # before jax is imported: an exec here wastes no start-up work
     malloc.reexec_with_huge_pages("qmoe_jax.compress")  # big XLA buffers without 4 KiB page faults
 malloc.limit_arenas()
+try:
+    malloc.fix_mmap_threshold()  # freed XLA buffers leave the resident set
+except ValueError as error:
+    raise SystemExit(f"python -m qmoe_jax.compress: {error}") from None
 
 # Imported after the malloc set-up above, which must run before jax loads (E402).
 from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402

@@ -1,11 +1,22 @@
 """glibc malloc settings for the commands that run big XLA programs (``python -m
 qmoe_jax.compress``).
 
-Two settings and one call, all for Linux with glibc; elsewhere they do nothing.
+Three settings and one call, all for Linux with glibc; elsewhere they do nothing.
 
 **Arenas** (``limit_arenas``): with XLA's many threads glibc's default of 8
 arenas per core holds freed memory in per-thread arenas and inflates peak RSS;
 the compressor caps them at 2 (M_ARENA_MAX, set in-process).
+
+**A fixed mmap threshold** (``fix_mmap_threshold``): glibc serves a block of at
+least M_MMAP_THRESHOLD bytes with its own ``mmap`` and unmaps it on free. The
+threshold starts at 128 KiB, but each freed mmap'd block raises it to that
+block's size (up to 32 MiB), and from then on blocks below it come from the
+arenas, where freed memory stays resident between and around live blocks.
+XLA:CPU allocates a program's buffers afresh on every call, megabytes each,
+so the compressor's RSS crept upward layer after layer; with the threshold
+fixed at 1 MiB (mallopt, in-process; ``QMOE_JAX_MMAP_THRESHOLD`` overrides it
+in bytes, 0 keeps glibc's moving threshold) those buffers leave the resident
+set when freed (benchmarks/streaming.py; docs/measurements.md).
 
 **Free memory** (``release_free_memory``): ``malloc_trim(0)`` after a step that freed much of
 what it allocated (opening a model for inference; each expert group the compressor finishes), so
@@ -51,6 +62,9 @@ OPT_OUT = "QMOE_JAX_HUGE_PAGES"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 MIN_GLIBC = (2, 35)
 _M_ARENA_MAX = -8
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_VARIABLE = "QMOE_JAX_MMAP_THRESHOLD"
+DEFAULT_MMAP_THRESHOLD = 1 << 20
 
 
 def limit_arenas(arenas: int = 2) -> None:
@@ -58,6 +72,42 @@ def limit_arenas(arenas: int = 2) -> None:
     glibc."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(_M_ARENA_MAX, arenas)
+    except (OSError, AttributeError):
+        pass  # not glibc: nothing to tune
+
+
+def mmap_threshold(environ: Mapping[str, str]) -> int:
+    """The mmap threshold ``fix_mmap_threshold`` sets: ``QMOE_JAX_MMAP_THRESHOLD`` in bytes (0:
+    none, glibc's moving threshold stays), else 1 MiB.
+
+    Raises:
+      ValueError: the variable is not a whole number of bytes from 0 to 32 MiB (glibc's maximum).
+    """
+    text = environ.get(MMAP_THRESHOLD_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_MMAP_THRESHOLD
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 32 << 20:
+        raise ValueError(
+            f"{MMAP_THRESHOLD_VARIABLE}={text!r}: give the mmap threshold in bytes, from 0 "
+            f"(glibc's own moving threshold) to {32 << 20}, or unset it for "
+            f"{DEFAULT_MMAP_THRESHOLD}"
+        )
+    return value
+
+
+def fix_mmap_threshold() -> None:
+    """Fixes glibc's mmap threshold (M_MMAP_THRESHOLD) at ``mmap_threshold(os.environ)`` bytes, so
+    freed big blocks leave the resident set (module docstring); nothing where the C library is not
+    glibc or the threshold is 0."""
+    threshold = mmap_threshold(os.environ)
+    if not threshold:
+        return
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, threshold)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to tune
 

@@ -146,3 +146,58 @@ def test_release_free_memory_returns_the_freed_heap():
     assert completed.returncode == 0, completed.stderr
     freed, released = map(int, completed.stdout.split())
     assert freed - released >= 100, (freed, released)  # of the ~190 MiB freed
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(None, 1 << 20), ("", 1 << 20), ("0", 0), ("4194304", 4 << 20), (str(32 << 20), 32 << 20)],
+)
+def test_mmap_threshold_from_the_environment(value, expected):
+    environ = {} if value is None else {malloc.MMAP_THRESHOLD_VARIABLE: value}
+    assert malloc.mmap_threshold(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["1MiB", "-1", str((32 << 20) + 1), "1.5"])
+def test_bad_mmap_threshold_is_refused_naming_the_variable(value):
+    with pytest.raises(ValueError, match=r"QMOE_JAX_MMAP_THRESHOLD.*in bytes"):
+        malloc.mmap_threshold({malloc.MMAP_THRESHOLD_VARIABLE: value})
+
+
+# After a 16 MiB block is freed, glibc's moving threshold serves 4 MiB blocks from the heap, where
+# freed blocks below a live one stay resident; with the threshold fixed they are unmapped on free.
+RETAINED = """
+import ctypes, sys
+from qmoe_jax import malloc
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] == "fixed":
+    malloc.fix_mmap_threshold()
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) << 10
+big = libc.malloc(16 << 20)
+ctypes.memset(big, 1, 16 << 20)
+libc.free(big)
+base = rss()
+blocks = [libc.malloc(4 << 20) for _ in range(8)]
+for block in blocks:
+    ctypes.memset(block, 1, 4 << 20)
+for block in blocks[:-1]:
+    libc.free(block)
+print(rss() - base)
+"""
+
+
+@pytest.mark.skipif(
+    sys.platform != "linux" or platform.libc_ver()[0] != "glibc", reason="glibc's malloc only"
+)
+def test_fixed_mmap_threshold_returns_freed_blocks():
+    retained = {}
+    for mode in ("moving", "fixed"):
+        child = run_python(["-c", RETAINED, mode], timeout=120, QMOE_JAX_MMAP_THRESHOLD="")
+        assert child.returncode == 0, child.stderr
+        retained[mode] = int(child.stdout.split()[-1])
+    # seven freed 4 MiB blocks: resident with the moving threshold, gone with the fixed one
+    assert retained["moving"] >= 24 << 20, retained
+    assert retained["fixed"] <= 8 << 20, retained
