@@ -16,7 +16,8 @@ control:
               answers.
   cost        the switch-base-shaped synthetic compressed checkpoint of benchmarks/inference.py,
               fine-tuned with its experts on the fused kernels and, as the control, dequantized to
-              float32: median step time (compilation excluded) and peak RSS of each process.
+              float32, with each optimizer of --cost_optimizers (AdamW, Adafactor): median step
+              time (compilation excluded) and peak RSS of each process.
 
     python benchmarks/finetune.py                                # all three goals
     python benchmarks/finetune.py --goals cost --cost_steps 4
@@ -210,25 +211,27 @@ def cost(args) -> dict:
         "--checkpoint_every",
         str(args.cost_steps),
     ]
-    runs = {
-        form: finetune(f"cost-{form}", path, budget + ["--experts", form], args.work_dir)
-        for form in ("compressed", "dense")
-    }
-    rows = [
-        {
-            "experts": form,
-            "step_seconds": run["summary"]["step_seconds"],
-            "peak_rss_gib": run["peak_rss_gib"],
+    runs, rows, ratios = {}, [], {}
+    for optimizer in args.cost_optimizers:
+        pair = {}
+        for form in ("compressed", "dense"):
+            name = f"cost-{form}-{optimizer}"
+            flags = budget + ["--experts", form, "--optimizer", optimizer]
+            runs[name] = pair[form] = finetune(name, path, flags, args.work_dir)
+            rows.append(
+                {
+                    "experts": form,
+                    "optimizer": optimizer,
+                    "step_seconds": pair[form]["summary"]["step_seconds"],
+                    "peak_rss_gib": pair[form]["peak_rss_gib"],
+                }
+            )
+        compressed, dense = (pair[f]["summary"]["step_seconds"] for f in ("compressed", "dense"))
+        ratios[optimizer] = {
+            "step_time_ratio": compressed / dense,
+            "peak_rss_ratio": pair["compressed"]["peak_rss_gib"] / pair["dense"]["peak_rss_gib"],
         }
-        for form, run in runs.items()
-    ]
-    return {
-        "rows": rows,
-        "runs": runs,
-        "checkpoint": path,
-        "step_time_ratio": rows[0]["step_seconds"] / rows[1]["step_seconds"],
-        "peak_rss_ratio": rows[0]["peak_rss_gib"] / rows[1]["peak_rss_gib"],
-    }
+    return {"rows": rows, "runs": runs, "checkpoint": path, "ratios": ratios}
 
 
 def main() -> None:
@@ -256,6 +259,13 @@ def main() -> None:
     parser.add_argument("--lora_rank", type=int, default=8)
     parser.add_argument("--cost_steps", type=int, default=4)
     parser.add_argument("--cost_batch_size", type=int, default=4)
+    parser.add_argument(
+        "--cost_optimizers",
+        nargs="+",
+        choices=("adamw", "adafactor"),
+        default=["adamw", "adafactor"],
+        help="the cost goal's optimizers: each runs the compressed model and its control",
+    )
     args = parser.parse_args()
     args.work_dir = os.path.abspath(args.work_dir)
     os.makedirs(args.work_dir, exist_ok=True)
@@ -293,16 +303,17 @@ def main() -> None:
             )
     if "cost" in results:
         c = results["cost"]
-        print(
-            f"\ncost ({c['checkpoint']}): "
-            + ", ".join(
-                f"{r['experts']} step {r['step_seconds']:.2f} s, peak RSS {r['peak_rss_gib']:.2f} "
-                "GiB"
-                for r in c["rows"]
+        print(f"\ncost ({c['checkpoint']})")
+        for r in c["rows"]:
+            print(
+                f"  {r['experts']:<11}{r['optimizer']:<10} step {r['step_seconds']:.2f} s, "
+                f"peak RSS {r['peak_rss_gib']:.2f} GiB"
             )
-            + f"; compressed/dense: step {c['step_time_ratio']:.2f}x, "
-            f"peak RSS {c['peak_rss_ratio']:.2f}x"
-        )
+        for optimizer, ratio in c["ratios"].items():
+            print(
+                f"  {optimizer}: compressed/dense step {ratio['step_time_ratio']:.2f}x, "
+                f"peak RSS {ratio['peak_rss_ratio']:.2f}x"
+            )
 
 
 if __name__ == "__main__":

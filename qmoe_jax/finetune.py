@@ -24,7 +24,7 @@ from qmoe_jax.checkpoints import strict_json
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli
 from qmoe_jax.distributed import runtime as distributed_runtime
 from qmoe_jax.training import FinetuneOptions, finetune
-from qmoe_jax.training.finetuning import ACTIVATIONS
+from qmoe_jax.training.finetuning import ACTIVATIONS, OPTIMIZERS
 
 DEFAULTS = FinetuneOptions()
 
@@ -75,6 +75,13 @@ def parse_options(argv: list[str]) -> FinetuneOptions:
         parser.add_argument(f"--{name}", type=finite_float, default=getattr(DEFAULTS, name))
     parser.add_argument("--dropout_rate", type=finite_float, help="default: the model config's")
     parser.add_argument("--activations", choices=ACTIVATIONS, default=DEFAULTS.activations)
+    parser.add_argument(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=DEFAULTS.optimizer,
+        help="adamw, or adafactor (T5X's fine-tuning optimizer; a state a small fraction of "
+        "adamw's)",
+    )
     add_debug_flag(parser)
     distributed_runtime.add_flags(parser)
     args = vars(parser.parse_args(argv))

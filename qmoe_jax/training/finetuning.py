@@ -9,8 +9,9 @@ run on the fused kernels, gradients flowing to their inputs through
 cross-entropy + the model's ``aux_loss_factor`` · load balancing +
 ``router_z_loss_factor`` · router z-loss (``training/pretrain.py``). Schedule: linear
 warm-up to ``learning_rate``, cosine decay to ``final_learning_rate_fraction``
-of it; AdamW (b1 0.9, b2 0.98) after clipping the global gradient norm
-(``training/optimizer.py``: optax's math and state, one fused update per parameter).
+of it; AdamW (b1 0.9, b2 0.98) or Adafactor (``--optimizer``) after clipping the
+global gradient norm (``training/optimizer.py``: optax's math and state, one fused
+update per parameter).
 Data-parallel: micro-batches are split over all devices along the batch, the
 compressed experts sharded over them as in expert-parallel inference. With
 several processes (docs/multihost.md) the devices are every process's: each
@@ -52,7 +53,7 @@ from qmoe_jax.models.configs import resolve_config
 from qmoe_jax.models.lora import LORA, init_adapter
 from qmoe_jax.training import save_finetuned
 from qmoe_jax.training.metrics import plot_metrics
-from qmoe_jax.training.optimizer import ClippedAdamW
+from qmoe_jax.training.optimizer import ClippedAdafactor, ClippedAdamW, Optimizer
 from qmoe_jax.training.pretrain import moe_aux_losses
 from qmoe_jax.training.run_directory import FINETUNE_OUTPUT, MODEL, RunDirectory
 from qmoe_jax.training.tasks import Task, load_task
@@ -66,6 +67,7 @@ from qmoe_jax.training.trainable import (
 )
 
 ACTIVATIONS = ("float32", "bfloat16")
+OPTIMIZERS = ("adamw", "adafactor")
 
 
 def _not_in_settings(default=None):
@@ -95,6 +97,9 @@ class FinetuneOptions:
       warmup_steps: of the learning-rate schedule (None: a tenth of ``steps``).
       dropout_rate: None keeps the model config's.
       activations: "float32" or "bfloat16" (parameters and optimizer state stay float32).
+      optimizer: "adamw" (two moments the parameters' size) or "adafactor" (T5X's fine-tuning
+        optimizer: factored second moments, no first moment, steps relative to each array's RMS;
+        its state is a small fraction of the parameters'); both after ``clip_norm``.
       eval_examples: held-out examples scored every ``eval_every`` steps.
     """
 
@@ -116,6 +121,7 @@ class FinetuneOptions:
     clip_norm: float = 1.0
     dropout_rate: float | None = None
     activations: str = "float32"
+    optimizer: str = "adamw"
     inputs_length: int = bundled.INPUTS_LENGTH
     eval_examples: int = 256
     seed: int = 0
@@ -142,6 +148,10 @@ class FinetuneOptions:
         if self.activations not in ACTIVATIONS:
             raise ValueError(
                 f"--activations must be one of {', '.join(ACTIVATIONS)}, got {self.activations!r}"
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(
+                f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}"
             )
         if self.dropout_rate is not None and not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"--dropout_rate must be in [0, 1), got {self.dropout_rate}")
@@ -178,13 +188,14 @@ def learning_rate_schedule(options: FinetuneOptions) -> optax.Schedule:
     )
 
 
-def make_optimizer(options: FinetuneOptions) -> ClippedAdamW:
+def make_optimizer(options: FinetuneOptions) -> Optimizer:
+    schedule = learning_rate_schedule(options)
+    if options.optimizer == "adafactor":
+        return ClippedAdafactor(
+            schedule, clip_norm=options.clip_norm, weight_decay=options.weight_decay
+        )
     return ClippedAdamW(
-        learning_rate_schedule(options),
-        clip_norm=options.clip_norm,
-        weight_decay=options.weight_decay,
-        b1=0.9,
-        b2=0.98,
+        schedule, clip_norm=options.clip_norm, weight_decay=options.weight_decay, b1=0.9, b2=0.98
     )
 
 
@@ -199,7 +210,7 @@ def _scores(logits, batch):
     return loss_sum, weight_sum, correct.sum()
 
 
-def make_train_step(module, optimizer: ClippedAdamW, accumulate: int) -> Callable:
+def make_train_step(module, optimizer: Optimizer, accumulate: int) -> Callable:
     """A jitted (trainable, opt_state, frozen, batches [accumulate, B, ...], rng) -> (trainable,
     opt_state, metrics); the gradient is the mean over the micro-batches of their token-mean losses'
     gradients."""

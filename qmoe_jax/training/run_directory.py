@@ -44,6 +44,8 @@ TRAIN_STATE = "train_state"
 MODEL = "model"
 METRICS = "metrics.jsonl"
 KEEP_CHECKPOINTS = 2
+# Settings a format-1 manifest may lack, with the value such a run used: it resumes as that.
+IMPLIED_SETTINGS = {"optimizer": "adamw"}
 
 
 class ResumeMismatchError(ValueError):
@@ -94,7 +96,10 @@ class RunDirectory:
         record = json.loads(json.dumps(record))
         stored = read_json_object(os.path.join(directory, MANIFEST))
         if stored is not None:
-            differences = _differences({k: stored.get(k) for k in record}, record)
+            compared = {k: stored.get(k) for k in record}
+            if isinstance(compared.get("settings"), dict):
+                compared["settings"] = {**IMPLIED_SETTINGS, **compared["settings"]}
+            differences = _differences(compared, record)
             if differences:
                 raise ResumeMismatchError(
                     f"{directory} holds a fine-tuning run with other settings "

@@ -30,7 +30,7 @@ from qmoe_jax.inference.compressed_params import load_compressed_model
 from qmoe_jax.models.lora import init_adapter
 from qmoe_jax.training import FinetuneOptions, finetune, load_task, select_trainable
 from qmoe_jax.training.finetuning import add_expert_adapters
-from qmoe_jax.training.run_directory import ResumeMismatchError
+from qmoe_jax.training.run_directory import FORMAT, ResumeMismatchError, RunDirectory
 from qmoe_jax.training.trainable import flatten, split
 
 WATCHDOG_SECONDS = 600
@@ -265,6 +265,35 @@ def test_resume_with_other_settings_is_refused_and_a_complete_run_is_not_redone(
     ):
         finetune(
             dataclasses.replace(options, learning_rate=1e-3), log=lambda _: None, progress=False
+        )
+
+
+def test_a_run_recorded_without_an_optimizer_resumes_as_adamw_only(tmp_path):
+    record = {"settings": {"steps": 4, "optimizer": "adamw"}, "source": {"path": "x"}}
+    stored = {"format": FORMAT, "format_version": 1, "complete": False, "model": None}
+    stored |= {"settings": {"steps": 4}, "source": {"path": "x"}}  # a manifest without the key
+    (tmp_path / "manifest.json").write_text(json.dumps(stored))
+    RunDirectory(str(tmp_path), record).close()
+    adafactor = {**record, "settings": {"steps": 4, "optimizer": "adafactor"}}
+    with pytest.raises(
+        ResumeMismatchError, match=re.escape("optimizer: 'adamw' before, 'adafactor' now")
+    ):
+        RunDirectory(str(tmp_path), adafactor)
+
+
+@pytest.mark.slow
+def test_adafactor_run_learns_and_its_optimizer_is_part_of_the_settings(tiny, tmp_path):
+    options = options_for(tiny, tmp_path / "run", optimizer="adafactor", learning_rate=1e-2)
+    finetune(options, log=lambda _: None, progress=False)
+    records = read_json_lines(tmp_path / "run" / "metrics.jsonl")
+    first, last = records[0]["validation_loss"], records[-1]["validation_loss"]
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert np.isfinite(last) and last < first - 0.1, (first, last)
+    with pytest.raises(
+        ResumeMismatchError, match=re.escape("optimizer: 'adafactor' before, 'adamw' now")
+    ):
+        finetune(
+            dataclasses.replace(options, optimizer="adamw"), log=lambda _: None, progress=False
         )
 
 

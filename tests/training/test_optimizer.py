@@ -6,7 +6,7 @@ import numpy as np
 import optax
 import pytest
 
-from qmoe_jax.training.optimizer import ClippedAdamW
+from qmoe_jax.training.optimizer import ClippedAdafactor, ClippedAdamW
 
 
 def _optimizer(clip_norm=1.0):
@@ -76,3 +76,85 @@ def test_donated_step_needs_no_temporary_the_size_of_the_parameters():
         pytest.skip("this backend reports no memory analysis")
     assert memory.temp_size_in_bytes < 0.01 * size
     assert memory.alias_size_in_bytes >= 3 * size  # parameters and both moments in place
+
+
+def _adafactor(weight_decay=0.0):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10, 1e-3)
+    return ClippedAdafactor(schedule, clip_norm=1.0, weight_decay=weight_decay)
+
+
+def _factored_tree(key, scale=1.0):
+    # factored both ways round (rows the larger axis, or columns), a stacked 3-D array factored
+    # over its last two axes, one below the factoring size, and vectors
+    a, b, c, d, e = jax.random.split(key, 5)
+    return {
+        "tall": scale * jax.random.normal(a, (256, 130)),
+        "wide": scale * jax.random.normal(b, (130, 256)),
+        "stack": scale * jax.random.normal(c, (3, 140, 129)),
+        "small": scale * jax.random.normal(d, (64, 300)),
+        "bias": scale * jax.random.normal(e, (130,)),
+    }
+
+
+@pytest.mark.parametrize("gradient_scale", [1e-3, 10.0], ids=["below_clip", "clipped"])
+def test_adafactor_matches_the_optax_chain_over_steps(gradient_scale):
+    optimizer = _adafactor()
+    reference = optimizer.reference()
+    params = _factored_tree(jax.random.PRNGKey(0))
+    state = optimizer.init(params)
+    factored = state[1][0]
+    assert factored.v_row["tall"].shape == (130,) and factored.v_col["tall"].shape == (256,)
+    assert factored.v_row["stack"].shape == (3, 129) and factored.v["small"].shape == (64, 300)
+    ref_params, ref_state = params, reference.init(params)
+    apply = jax.jit(optimizer.apply)
+    for step in range(5):
+        grads = _factored_tree(jax.random.PRNGKey(10 + step), gradient_scale)
+        params, state, norm = apply(params, grads, state)
+        updates, ref_state = reference.update(grads, ref_state, ref_params)
+        ref_params = optax.apply_updates(ref_params, updates)
+        assert (norm > 1.0) == (gradient_scale > 1)
+        for got, want in zip(
+            jax.tree.leaves((params, state)), jax.tree.leaves((ref_params, ref_state))
+        ):
+            assert got.dtype == want.dtype
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+    assert not np.allclose(params["tall"], _factored_tree(jax.random.PRNGKey(0))["tall"])
+
+
+def test_adafactor_weight_decay_is_decoupled_and_scaled_by_the_learning_rate():
+    params = _factored_tree(jax.random.PRNGKey(2))
+    grads = _factored_tree(jax.random.PRNGKey(3), 0.1)
+    plain, decayed = _adafactor(), _adafactor(weight_decay=0.5)
+    state = plain.init(params)
+    for _ in range(3):  # the schedule's learning rate is 0 at step 0: take it past the warm-up
+        new_plain, next_state, _ = plain.apply(params, grads, state)
+        new_decayed, _, _ = decayed.apply(params, grads, state)
+        learning_rate = plain.schedule(state[1][2].count)
+        for a, b, p in zip(*map(jax.tree.leaves, (new_plain, new_decayed, params))):
+            np.testing.assert_allclose(a - b, learning_rate * 0.5 * p, rtol=1e-4, atol=1e-7)
+        state = next_state
+    assert float(learning_rate) > 0
+
+
+def test_adafactor_state_is_a_small_fraction_of_the_parameters():
+    params = {"kernel": jnp.ones((768, 3072)), "embedding": jnp.ones((4096, 768))}
+    state = _adafactor().init(params)
+    size = sum(x.nbytes for x in jax.tree.leaves(params))
+    assert sum(x.nbytes for x in jax.tree.leaves(state)) < 0.01 * size
+
+
+def test_adafactor_donated_step_needs_no_temporary_the_size_of_the_parameters():
+    optimizer = _adafactor(weight_decay=0.01)
+    params = {"a": jnp.ones((256, 512)), "b": {"c": jnp.ones((1024, 128)), "d": jnp.ones((7,))}}
+    state = optimizer.init(params)
+    size = sum(x.nbytes for x in jax.tree.leaves(params))
+    compiled = (
+        jax.jit(optimizer.apply, donate_argnums=(0, 2)).lower(params, params, state).compile()
+    )
+    memory = compiled.memory_analysis()
+    if memory is None:
+        pytest.skip("this backend reports no memory analysis")
+    # vectors of the factored moments only: no array the size of a parameter (the smallest
+    # matrix here is a quarter of them)
+    assert memory.temp_size_in_bytes < 0.05 * size
+    assert memory.alias_size_in_bytes >= size  # the parameters in place
