@@ -205,9 +205,11 @@ def _this_process_only() -> ocp.options.MultiprocessingOptions:
     return ocp.options.MultiprocessingOptions(primary_host=process, active_processes={process})
 
 
-def _save_tree(path: str, tree: dict) -> None:
+def _save_tree(path: str, tree: dict, expert_stacks: bool = False) -> None:
+    """Saves ``tree`` as an Orbax PyTree at ``path``; ``expert_stacks``: every array of two or more
+    dimensions leads with the expert axis, and is stored in chunks of whole experts."""
     try:
-        _checkpointer().save(path, args=orbax_trees.save_args(tree))
+        _checkpointer().save(path, args=orbax_trees.save_args(tree, expert_stacks))
     except (
         ValueError
     ) as error:  # tensorstore reports a failed write, a full disk included, as a ValueError
@@ -477,7 +479,7 @@ class CompressedCheckpointWriter:
             if os.path.exists(path):
                 shutil.rmtree(path)
         os.makedirs(staging)
-        _save_tree(os.path.join(staging, "arrays"), arrays)
+        _save_tree(os.path.join(staging, "arrays"), arrays, expert_stacks=True)
         record = {
             "stats": stats,
             "checksums": _flat_checksums(arrays),
@@ -593,7 +595,7 @@ class CompressedCheckpointWriter:
         path = os.path.join(self.directory, ADAPTERS)
         if os.path.exists(path):
             shutil.rmtree(path)
-        _save_tree(path, adapters)
+        _save_tree(path, adapters, expert_stacks=True)
         self.manifest[ADAPTERS] = {
             "rank": rank,
             "checksums": _flat_checksums(adapters),

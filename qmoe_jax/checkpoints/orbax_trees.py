@@ -15,6 +15,13 @@ by any Orbax or tensorstore reader) with two changes that only lower the writer'
   tensorstore holds an encoded copy of each chunk in flight and of the unfinished data file; with
   Orbax's default (unbounded files, one chunk per array) that is a second copy of everything
   saved.
+- **One chunk per expert** in trees of expert stacks (``save_args(tree, expert_stacks=True)``).
+  Orbax splits an array into chunks that divide its shape, largest dimension first, so a stack of
+  code streams ``uint16[E, n]`` whose length n has no divisor near the target is cut into chunks
+  one or two codewords wide: hundreds of thousands of tiny chunks, each its own OCDBT entry, which
+  tensorstore holds in memory while it writes (as much again as the layer) and which every read
+  of one expert must visit. Cutting the leading (expert) axis first gives chunks of whole experts
+  whatever n is.
 
 What a save still holds beyond the arrays is tensorstore's work in flight, a few hundred MB
 however large the tree. ``benchmarks/import_qmoe.py`` and ``benchmarks/finetune.py --goals cost``
@@ -52,9 +59,18 @@ def handler(
     )
 
 
-def save_args(tree) -> ocp.args.PyTreeSave:
-    """The save arguments of ``tree`` for ``handler()``: bounded data files."""
-    return ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=DATA_FILE_BYTES)
+def save_args(tree, expert_stacks: bool = False) -> ocp.args.PyTreeSave:
+    """The save arguments of ``tree`` for ``handler()``: bounded data files and, where
+    ``expert_stacks`` (every array of two or more dimensions leads with the expert axis), chunks of
+    whole experts (module docstring)."""
+    per_leaf = None
+    if expert_stacks:
+        per_leaf = jax.tree.map(
+            lambda leaf: ocp.SaveArgs(shard_axes=(0,) if np.ndim(leaf) >= 2 else ()), tree
+        )
+    return ocp.args.PyTreeSave(
+        tree, save_args=per_leaf, ocdbt_target_data_file_size=DATA_FILE_BYTES
+    )
 
 
 def host_views(tree):

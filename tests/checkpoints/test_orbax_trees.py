@@ -99,7 +99,7 @@ def test_training_checkpoints_of_orbax_defaults_restore(tmp_path):
 
 
 def test_arrays_over_the_data_file_size_are_split_into_bounded_files(tmp_path, monkeypatch):
-    monkeypatch.setattr(orbax_trees, "DATA_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr(orbax_trees, "DATA_FILE_BYTES", 1 << 19)
     codes = np.random.default_rng(0).integers(0, 1 << 16, (4, 1 << 20), dtype=np.uint16)  # 8 MiB
     path = str(tmp_path / "tree")
     format_v1._save_tree(path, {"codes": codes, "small": np.arange(3, dtype=np.int32)})
@@ -113,3 +113,42 @@ def test_arrays_over_the_data_file_size_are_split_into_bounded_files(tmp_path, m
     assert max(data) <= (1 << 20) + 4096  # a chunk, its zstd framing and small records
     restored = ocp.Checkpointer(orbax_trees.handler()).restore(path)
     np.testing.assert_array_equal(restored["codes"], codes)
+
+
+def _zarr_chunks(path) -> dict:
+    """{array key: chunk shape} of an Orbax OCDBT tree, from its zarr metadata."""
+    import json
+
+    import tensorstore as ts
+
+    store = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{os.path.abspath(path)}/"})
+    store = store.result()
+    chunks = {}
+    for key in store.list().result():
+        if key.endswith(b"/.zarray"):
+            chunks[key[: -len(b"/.zarray")].decode()] = json.loads(store.read(key).result().value)[
+                "chunks"
+            ]
+    return chunks
+
+
+def test_expert_stacks_are_chunked_by_whole_experts_whatever_their_length(tmp_path, monkeypatch):
+    # 65537 is prime: the only chunks dividing [8, 65537] under the size limit along the longer
+    # axis are one codeword wide, which is what Orbax's own choice gives
+    monkeypatch.setattr(orbax_trees, "DATA_FILE_BYTES", 1 << 19)
+    rng = np.random.default_rng(0)
+    tree = {
+        "wi": {
+            "codes": rng.integers(0, 1 << 16, (8, 65537), dtype=np.uint16),
+            "row_offsets": np.tile(np.arange(5, dtype=np.int32), (8, 1)),
+        }
+    }
+    checkpointer = ocp.Checkpointer(orbax_trees.handler())
+    checkpointer.save(tmp_path / "default", args=orbax_trees.save_args(tree))
+    checkpointer.save(tmp_path / "stacks", args=orbax_trees.save_args(tree, expert_stacks=True))
+    assert _zarr_chunks(tmp_path / "default")["wi.codes"] == [8, 1]
+    chunks = _zarr_chunks(tmp_path / "stacks")
+    assert chunks == {"wi.codes": [1, 65537], "wi.row_offsets": [1, 5]}
+    restored = checkpointer.restore(tmp_path / "stacks")
+    np.testing.assert_array_equal(restored["wi"]["codes"], tree["wi"]["codes"])
+    np.testing.assert_array_equal(restored["wi"]["row_offsets"], tree["wi"]["row_offsets"])
