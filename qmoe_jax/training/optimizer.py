@@ -121,7 +121,8 @@ def _factored_dims(shape: tuple[int, ...], min_dim: int) -> tuple[int, int] | No
     array of ``shape`` (both at least ``min_dim``), else None; optax's rule, ties included."""
     if len(shape) < 2:
         return None
-    order = sorted(range(len(shape)), key=lambda axis: shape[axis])  # stable, as np.argsort
+    # ties keep axis order, as optax's np.argsort does for so few axes (tested on square arrays)
+    order = sorted(range(len(shape)), key=lambda axis: shape[axis])
     if shape[order[-2]] < min_dim:
         return None
     return order[-2], order[-1]
@@ -132,8 +133,8 @@ class ClippedAdafactor:
     """Adafactor after global-norm clipping (see the module docstring), with T5X's defaults.
 
     Attributes:
-      schedule: the learning rate per step (optax's schedule, counted from 0); with
-        ``multiply_by_parameter_scale`` it is relative to each array's RMS.
+      schedule: the learning rate per step (optax's schedule, counted from 0), relative to each
+        array's RMS (at least ``min_scale``), as optax's ``multiply_by_parameter_scale``.
       clip_norm: gradients whose global norm exceeds it are scaled down to it.
       weight_decay: decoupled weight decay scaled by the learning rate (``p -= lr * wd * p``), on
         every parameter; not part of optax's chain, which has none by default.

@@ -84,12 +84,15 @@ def _adafactor(weight_decay=0.0):
 
 
 def _factored_tree(key, scale=1.0):
-    # factored both ways round (rows the larger axis, or columns), a stacked 3-D array factored
-    # over its last two axes, one below the factoring size, and vectors
-    a, b, c, d, e = jax.random.split(key, 5)
+    # factored both ways round (rows the larger axis, or columns), square (a tie: which axis is
+    # "largest" decides the factors), a stacked 3-D array factored over its last two axes, one
+    # below the factoring size, and vectors
+    a, b, c, d, e, f, g = jax.random.split(key, 7)
     return {
         "tall": scale * jax.random.normal(a, (256, 130)),
         "wide": scale * jax.random.normal(b, (130, 256)),
+        "square": scale * jax.random.normal(f, (160, 160)),
+        "square_stack": scale * jax.random.normal(g, (2, 150, 150)),
         "stack": scale * jax.random.normal(c, (3, 140, 129)),
         "small": scale * jax.random.normal(d, (64, 300)),
         "bias": scale * jax.random.normal(e, (130,)),
