@@ -190,13 +190,27 @@ class MultiHeadAttention(nn.Module):
     (L = L_enc), computed once by the call that creates the cache. These are the
     orders in which XLA:CPU's two attention products take their operands: stored
     as ``[B, L, h, k]``, every cached key and value was transposed into them on
-    every decoding step (docs/measurements.md, inference.py).
+    every decoding step (docs/measurements.md, inference.py). A decoding step
+    attends to the cache as it was and to its own keys as two blocks of one
+    softmax, so that no product reads the updated cache: XLA then updates it in
+    place instead of copying it for each product that would read the update.
     """
 
     config: SwitchConfig
 
     def _heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.d_kv)
+
+    @staticmethod
+    def _logits(query, key, mask, bias) -> jax.Array:
+        """Float32 logits ``[B, h, L_q, L_k]`` of ``query [B, L_q, h, k]`` against ``key
+        [B, h, k, L_k]``, masked positions at ``MASK_BIAS``, plus ``bias``."""
+        logits = jnp.einsum("bqhk,bhkt->bhqt", query.astype(jnp.float32), key.astype(jnp.float32))
+        if mask is not None:
+            logits = logits + jnp.where(mask, 0.0, MASK_BIAS)
+        if bias is not None:
+            logits = logits + bias
+        return logits
 
     @nn.compact
     def __call__(
@@ -239,6 +253,7 @@ class MultiHeadAttention(nn.Module):
             if cache_encoded:
                 self.put_variable("cache", "cached_key", key)
                 self.put_variable("cache", "cached_value", value)
+        stepped = False
         if cache_position is not None:
             # The first decode call creates a zero cache sized by its inputs
             # (L = L_max); later calls write their keys/values at
@@ -249,29 +264,59 @@ class MultiHeadAttention(nn.Module):
                 "cache", "cached_value", jnp.zeros, value.shape, value.dtype
             )
             if initialized:
+                stepped = True
+                old_key, old_value = cached_key.value, cached_value.value
                 cached_key.value = jax.lax.dynamic_update_slice_in_dim(
-                    cached_key.value, key, cache_position, axis=3
+                    old_key, key, cache_position, axis=3
                 )
                 cached_value.value = jax.lax.dynamic_update_slice_in_dim(
-                    cached_value.value, value, cache_position, axis=2
+                    old_value, value, cache_position, axis=2
                 )
-                key, value = cached_key.value, cached_value.value
-            query_positions = cache_position + jnp.arange(query.shape[1])
-            visible = jnp.arange(key.shape[3])[None, :] <= query_positions[:, None]
-            mask = visible[None, None] if mask is None else mask & visible[None, None]
-        logits = jnp.einsum("bqhk,bhkt->bhqt", query.astype(jnp.float32), key.astype(jnp.float32))
-        if mask is not None:
-            logits = logits + jnp.where(mask, 0.0, MASK_BIAS)
-        if bias is not None:
-            logits = logits + bias
-        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
-        weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
-        context = jnp.einsum("bhqt,bhtk->bqhk", weights, value.astype(cfg.jnp_dtype))
+            else:
+                query_positions = cache_position + jnp.arange(query.shape[1])
+                visible = jnp.arange(key.shape[3])[None, :] <= query_positions[:, None]
+                mask = visible[None, None] if mask is None else mask & visible[None, None]
+        if stepped:
+            # A decoding step attends to the cache as it was (the slots before cache_position)
+            # and to its own keys (causally) as two blocks of one softmax: the same sum as over
+            # the updated cache, but no product reads the updated arrays, so XLA writes them in
+            # place once instead of copying the cache for every reader of a fused update.
+            slots, steps = old_key.shape[3], query.shape[1]
+            earlier = (jnp.arange(slots) < cache_position)[None, None, None, :]
+            causal = (jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None])[None, None]
+            old_mask, new_mask = earlier, causal
+            if mask is not None:
+                old_mask = old_mask & mask
+                new_mask = new_mask & jax.lax.dynamic_slice_in_dim(mask, cache_position, steps, 3)
+            logits = jnp.concatenate(
+                [
+                    self._logits(query, old_key, old_mask, bias),
+                    self._logits(
+                        query,
+                        key,
+                        new_mask,
+                        None
+                        if bias is None
+                        else jax.lax.dynamic_slice_in_dim(bias, cache_position, steps, 3),
+                    ),
+                ],
+                axis=-1,
+            )
+            weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
+            weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
+            context = jnp.einsum(
+                "bhqt,bhtk->bqhk", weights[..., :slots], old_value.astype(cfg.jnp_dtype)
+            ) + jnp.einsum("bhqt,bhtk->bqhk", weights[..., slots:], value.astype(cfg.jnp_dtype))
+        else:
+            logits = self._logits(query, key, mask, bias)
+            weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
+            weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
+            context = jnp.einsum("bhqt,bhtk->bqhk", weights, value.astype(cfg.jnp_dtype))
         context = context.reshape(*context.shape[:2], inner)
         out = DenseKernel(cfg.d_model, cfg, init, name="out")(context)
         if cache_position is not None:
             # Feeding past the cache's end has no meaningful answer: NaN, not a clamp.
-            overflow = cache_position + query.shape[1] > key.shape[3]
+            overflow = cache_position + query.shape[1] > cached_key.value.shape[3]
             out = jnp.where(overflow, jnp.nan, out).astype(out.dtype)
         return out
 
