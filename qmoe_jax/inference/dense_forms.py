@@ -15,6 +15,11 @@ tables and router kernels stay in the model's dtype: they are small, and routing
 sensitive to the router's weights. Expert kernels are never touched here: their form is
 ``--experts``'. The packed forms are for inference (no gradients through them).
 
+In a packed tree each self-attention's query, key and value kernels are one matrix, ``qkv``
+(their rows stacked): the three products share their input, and one product of 3·h·k rows
+reads its bytes faster than three small ones (docs/dense_forms.md). Cross-attention keeps them
+apart: its query reads the decoder, its key and value the encoder.
+
 docs/dense_forms.md has the bytes a decoded token reads in each form, speeds and quality.
 """
 
@@ -30,6 +35,9 @@ from qmoe_jax.kernels.dense import FORMS, PackedMatrix, pack
 
 DENSE_DTYPES = ("float32",) + FORMS
 EMBEDDING = ("token_embedder", "embedding")
+# The attention modules whose query, key and value read one input (models/switch.py).
+SELF_ATTENTION = ("attention", "self_attention")
+QKV = ("query", "key", "value")
 
 
 def packed_orientation(path: tuple[str, ...]) -> str | None:
@@ -43,7 +51,11 @@ def packed_orientation(path: tuple[str, ...]) -> str | None:
 
 
 def pack_dense_params(
-    params: dict, dense_dtype: str, dtype=jnp.float32, release_source: bool = False
+    params: dict,
+    dense_dtype: str,
+    dtype=jnp.float32,
+    release_source: bool = False,
+    fuse_self_attention: bool = True,
 ) -> dict:
     """The tree ``params`` (nested dicts of arrays, numpy or jax) with the dense matrices stored as
     ``dense_dtype`` and every other leaf, expert kernels included, as ``dtype``.
@@ -52,6 +64,9 @@ def pack_dense_params(
     once its converted form exists, so that the peak is the converted tree plus the part of the
     source not yet converted (and one matrix in float32 while int8 quantizes it), not both whole
     trees. The loaders pass the tree they just read this way.
+
+    ``fuse_self_attention`` stacks each self-attention's packed query, key and value kernels into
+    one ``qkv`` matrix (``fuse_qkv``); False keeps them apart (for comparisons).
     """
     if dense_dtype not in DENSE_DTYPES:
         raise ValueError(
@@ -66,6 +81,8 @@ def pack_dense_params(
             for key in list(node):
                 value = node.pop(key) if release_source else node[key]
                 converted[key] = convert(value, (*path, key))
+            if fuse_self_attention and path and path[-1] in SELF_ATTENTION:
+                converted = fuse_qkv(converted)
             return converted
         orientation = packed_orientation(path) if dense_dtype != "float32" else None
         if orientation is None:
@@ -74,6 +91,25 @@ def pack_dense_params(
         return pack(matrix, dense_dtype)
 
     return convert(params, ())
+
+
+def fuse_qkv(attention: dict) -> dict:
+    """A self-attention's converted parameters with packed ``query``, ``key`` and ``value``
+    kernels replaced by ``qkv``: one ``PackedMatrix`` of their rows stacked in that order (the
+    layer splits its product back into three). Any other tree is returned as it is."""
+    kernels = [attention.get(name) for name in QKV]
+    if not all(isinstance(k, Mapping) and set(k) == {"kernel"} for k in kernels):
+        return attention
+    matrices = [k["kernel"] for k in kernels]
+    if not all(isinstance(m, PackedMatrix) for m in matrices):
+        return attention
+    if len({(m.form, m.cols) for m in matrices}) != 1:
+        return attention
+    values = jnp.concatenate([m.values for m in matrices])
+    scales = None if matrices[0].scales is None else jnp.concatenate([m.scales for m in matrices])
+    fused = {k: v for k, v in attention.items() if k not in QKV}
+    fused["qkv"] = {"kernel": PackedMatrix(values, scales)}
+    return fused
 
 
 def dense_bytes(params) -> int:

@@ -180,6 +180,11 @@ def dropout(
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
 
 
+def rows_of(packed: PackedMatrix, rows: slice) -> PackedMatrix:
+    """The rows ``rows`` of a packed matrix, as a packed matrix."""
+    return PackedMatrix(packed.values[rows], None if packed.scales is None else packed.scales[rows])
+
+
 class MultiHeadAttention(nn.Module):
     """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
 
@@ -200,6 +205,23 @@ class MultiHeadAttention(nn.Module):
 
     def _heads(self, x: jax.Array) -> jax.Array:
         return x.reshape(*x.shape[:-1], self.config.num_heads, self.config.d_kv)
+
+    def _fused_qkv(self, inputs_q: jax.Array, inputs_kv: jax.Array) -> list[jax.Array]:
+        """Query, key and value ``[B, L, h*k]`` from the packed ``qkv`` kernel, the three kernels'
+        rows stacked (``inference.dense_forms.fuse_qkv``): one product when the inputs are one
+        array, as in self-attention. Inputs that are distinct arrays (a transformation that
+        re-wraps arguments) get the query's rows and the key's and value's rows in two
+        products, which copies the slices of the matrix but computes the same."""
+        packed = self.get_variable("params", "qkv")["kernel"]
+        inner = self.config.num_heads * self.config.d_kv
+        dtype = self.config.jnp_dtype
+        if inputs_kv is inputs_q:
+            return jnp.split(dense.matmul(inputs_q, packed).astype(dtype), 3, axis=-1)
+        query_rows, kv_rows = (rows_of(packed, part) for part in (slice(inner), slice(inner, None)))
+        return [
+            dense.matmul(inputs_q, query_rows).astype(dtype),
+            *jnp.split(dense.matmul(inputs_kv, kv_rows).astype(dtype), 2, axis=-1),
+        ]
 
     @staticmethod
     def _logits(query, key, mask, bias) -> jax.Array:
@@ -242,13 +264,21 @@ class MultiHeadAttention(nn.Module):
         inner = cfg.num_heads * cfg.d_kv
         init = kernel_init(cfg.init_scale, "normal")
         query_init = kernel_init(cfg.init_scale, "normal", np.sqrt(cfg.d_kv))
-        query = self._heads(DenseKernel(inner, cfg, query_init, name="query")(inputs_q))
+        projected = None  # (key, value) [B, L_k, h*k] when a fused product made them
+        if self.has_variable("params", "qkv"):
+            query, *projected = self._fused_qkv(inputs_q, inputs_kv)
+        else:
+            query = DenseKernel(inner, cfg, query_init, name="query")(inputs_q)
+        query = self._heads(query)
         if cache_encoded and self.has_variable("cache", "cached_key"):
             key = self.get_variable("cache", "cached_key")
             value = self.get_variable("cache", "cached_value")
         else:  # key [B, h, k, L_k], value [B, h, L_k, k]
-            key = self._heads(DenseKernel(inner, cfg, init, name="key")(inputs_kv))
-            value = self._heads(DenseKernel(inner, cfg, init, name="value")(inputs_kv))
+            if projected is None:
+                projected = [
+                    DenseKernel(inner, cfg, init, name=name)(inputs_kv) for name in ("key", "value")
+                ]
+            key, value = (self._heads(p) for p in projected)
             key, value = key.transpose(0, 2, 3, 1), value.transpose(0, 2, 1, 3)
             if cache_encoded:
                 self.put_variable("cache", "cached_key", key)

@@ -34,7 +34,9 @@ def test_open_model_packs_the_dense_matrices_only(compressed_tiny, dense_dtype):
     packed = open_model(directory, dense_dtype=dense_dtype)
     embedding = _leaf(packed.params, "token_embedder/embedding")
     assert isinstance(embedding, PackedMatrix) and embedding.form == dense_dtype
-    query = _leaf(packed.params, "decoder/layers_0/self_attention/query/kernel")
+    qkv = _leaf(packed.params, "decoder/layers_0/self_attention/qkv/kernel")
+    assert isinstance(qkv, PackedMatrix) and (qkv.rows, qkv.cols) == (3 * 32, 32)
+    query = _leaf(packed.params, "decoder/layers_0/encoder_decoder_attention/query/kernel")
     assert isinstance(query, PackedMatrix) and (query.rows, query.cols) == (32, 32)
     router = _leaf(packed.params, "decoder/layers_1/mlp/router/router_weights/w/kernel")
     assert router.dtype == np.float32 and router.shape == (32, 4)

@@ -8,19 +8,25 @@ import numpy as np
 import pytest
 from helpers.tiny_model import TINY, init, run, shift_right
 
-from qmoe_jax.inference.dense_forms import dense_bytes, pack_dense_params, packed_orientation
+from qmoe_jax.inference.dense_forms import QKV, dense_bytes, pack_dense_params, packed_orientation
 from qmoe_jax.kernels import dense
 from qmoe_jax.kernels.dense import PackedMatrix
 from qmoe_jax.models import decode_step, init_cache
+from qmoe_jax.models.layers import MultiHeadAttention
 
 GATED_UNTIED = dataclasses.replace(TINY, mlp_activations=("gelu", "linear"), logits_dense=True)
 
 
 def unpacked(params):
-    """The float32 tree with exactly the weights a packed tree stands for."""
+    """The float32 tree with exactly the weights a packed tree stands for (a fused ``qkv`` split
+    back into the query, key and value kernels)."""
 
     def convert(node, path):
         if isinstance(node, dict):
+            node = dict(node)
+            if "qkv" in node:
+                rows = np.split(np.asarray(dense.unpack(node.pop("qkv")["kernel"])), 3)
+                node.update({name: {"kernel": m.T} for name, m in zip(QKV, rows)})
             return {key: convert(value, (*path, key)) for key, value in node.items()}
         if not isinstance(node, PackedMatrix):
             return node
@@ -40,7 +46,13 @@ def test_packed_model_computes_with_the_weights_it_stores(form, config):
     )[0]
     kinds = {jax.tree_util.keystr(path): type(leaf).__name__ for path, leaf in flat}
     assert kinds["['token_embedder']['embedding']"] == "PackedMatrix"
-    assert kinds["['decoder']['layers_0']['self_attention']['query']['kernel']"] == "PackedMatrix"
+    # Self-attention's query, key and value are one matrix; cross-attention's stay apart.
+    assert kinds["['decoder']['layers_0']['self_attention']['qkv']['kernel']"] == "PackedMatrix"
+    assert kinds["['encoder']['layers_0']['attention']['qkv']['kernel']"] == "PackedMatrix"
+    assert "['decoder']['layers_0']['self_attention']['query']['kernel']" not in kinds
+    cross = "['decoder']['layers_0']['encoder_decoder_attention']"
+    for name in QKV:
+        assert kinds[f"{cross}['{name}']['kernel']"] == "PackedMatrix"
     assert kinds["['encoder']['layers_0']['mlp']['wo']['kernel']"] == "PackedMatrix"
     router = "['decoder']['layers_1']['mlp']['router']['router_weights']['w']['kernel']"
     assert kinds[router] == "ArrayImpl"
@@ -58,6 +70,57 @@ def test_packed_model_computes_with_the_weights_it_stores(form, config):
     assert float(jnp.max(jnp.abs(logits - original))) < tolerance * float(
         jnp.max(jnp.abs(original))
     )
+
+
+@pytest.mark.parametrize("form", dense.FORMS)
+def test_fused_self_attention_computes_what_three_kernels_do(form):
+    """One product of the stacked rows gives each row's sum exactly as its own product does, in
+    teacher forcing and in incremental decoding."""
+    model, params, encoder_tokens, targets = init(TINY)
+    fused = pack_dense_params(params, form)
+    apart = pack_dense_params(params, form, fuse_self_attention=False)
+    assert "qkv" in fused["decoder"]["layers_0"]["self_attention"]
+    assert set(QKV) <= set(apart["decoder"]["layers_0"]["self_attention"])
+    np.testing.assert_array_equal(
+        np.asarray(fused["encoder"]["layers_0"]["attention"]["qkv"]["kernel"].values),
+        np.concatenate(
+            [np.asarray(apart["encoder"]["layers_0"]["attention"][n]["kernel"].values) for n in QKV]
+        ),
+    )
+    decoder_inputs = shift_right(targets)
+    np.testing.assert_array_equal(
+        run(model, fused, encoder_tokens, decoder_inputs, targets),
+        run(model, apart, encoder_tokens, decoder_inputs, targets),
+    )
+    steps = {}
+    for name, tree in (("fused", fused), ("apart", apart)):
+        encoded = run(model, tree, encoder_tokens, method="encode")
+        cache = init_cache(model, tree, encoded, encoder_tokens, max_decode_length=3)
+        logits = []
+        for t in range(3):
+            step, cache = decode_step(
+                model, tree, cache, encoded, encoder_tokens, decoder_inputs[:, t : t + 1]
+            )
+            logits.append(step)
+        steps[name] = np.asarray(jnp.concatenate(logits, axis=1))
+    np.testing.assert_array_equal(steps["fused"], steps["apart"])
+
+
+@pytest.mark.parametrize("form", dense.FORMS)
+def test_fused_kernel_serves_inputs_that_are_distinct_arrays(form):
+    """A transformation may hand self-attention its input as two arrays: the fused kernel then
+    runs as two products and computes the same."""
+    config = TINY
+    attention = MultiHeadAttention(config)
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 5, config.d_model))
+    params = attention.init(jax.random.PRNGKey(1), x, x, None, None)["params"]
+    fused = pack_dense_params({"attention": params}, form)["attention"]
+    apart = pack_dense_params({"attention": params}, form, fuse_self_attention=False)["attention"]
+    same = jax.jit(lambda p, x: attention.apply({"params": p}, x, x, None, None))
+    copied = jax.jit(lambda p, x: attention.apply({"params": p}, x, x * 1.0 + 0.0, None, None))
+    expected = np.asarray(same(apart, x))
+    np.testing.assert_allclose(np.asarray(same(fused, x)), expected, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(copied(fused, x)), expected, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("form", dense.FORMS)
