@@ -1,4 +1,4 @@
-"""Fine-tuning goals of issue 12: repair, downstream accuracy and cost, compressed against dense,
+"""Fine-tuning against its goals: repair, downstream accuracy and cost, compressed against dense,
 side by side.
 
 Every fine-tuning run is its own `python -m qmoe_jax.finetune` process (so that its peak RSS is its
