@@ -33,6 +33,8 @@ constexpr int64_t kTokenBlock = 48;
 // Rows per task at most and at least (a multiple of 8, the widest row tile).
 constexpr int64_t kMaxRowBlock = 256;
 constexpr int64_t kMinRowBlock = 16;
+// Tasks per thread when there are few tokens (Run).
+constexpr int64_t kTasksPerThread = 2;
 
 #define QMOE_DENSE_AVX2 __attribute__((target("avx2,fma")))
 #define QMOE_DENSE_AVX2_INLINE QMOE_DENSE_AVX2 __attribute__((always_inline)) inline
@@ -252,9 +254,12 @@ template <typename W>
 void Run(ffi::ThreadPool& pool, const Problem& p, bool avx2) {
   const int64_t workers = Workers(pool);
   const int64_t token_blocks = (p.tokens + kTokenBlock - 1) / kTokenBlock;
-  // Enough row blocks for 8 tasks per thread when there are few tokens, in
-  // multiples of 8 rows.
-  int64_t row_block = p.rows / std::max<int64_t>(1, 8 * workers / token_blocks);
+  // Enough row blocks for 2 tasks per thread when there are few tokens, in
+  // multiples of 8 rows. Each task starts its stream of rows cold, so small
+  // matrices (a decoding step's 768x768 products) lose to many small tasks:
+  // against 8 per thread, int8 batch-1 decoding takes 0.93x the time per
+  // token (docs/dense_forms.md).
+  int64_t row_block = p.rows / std::max<int64_t>(1, kTasksPerThread * workers / token_blocks);
   row_block = std::clamp<int64_t>((row_block + 7) / 8 * 8, kMinRowBlock, kMaxRowBlock);
   const int64_t row_blocks = (p.rows + row_block - 1) / row_block;
   ParallelFor(pool, row_blocks * token_blocks, [&](int64_t task) {
