@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qmoe_jax.kernels.dense import FORMS, PackedMatrix, pack
+from qmoe_jax.kernels.dense import FORMS, PackedMatrix, pack, stack_rows
 
 DENSE_DTYPES = ("float32",) + FORMS
 EMBEDDING = ("token_embedder", "embedding")
@@ -105,10 +105,8 @@ def fuse_qkv(attention: dict) -> dict:
         return attention
     if len({(m.form, m.cols) for m in matrices}) != 1:
         return attention
-    values = jnp.concatenate([m.values for m in matrices])
-    scales = None if matrices[0].scales is None else jnp.concatenate([m.scales for m in matrices])
     fused = {k: v for k, v in attention.items() if k not in QKV}
-    fused["qkv"] = {"kernel": PackedMatrix(values, scales)}
+    fused["qkv"] = {"kernel": stack_rows(matrices)}
     return fused
 
 

@@ -96,6 +96,21 @@ def take_rows(packed: PackedMatrix, index: jax.Array) -> jax.Array:
     return values * jnp.take(packed.scales, index, axis=0)[..., None]
 
 
+def row_block(packed: PackedMatrix, rows: slice) -> PackedMatrix:
+    """The rows ``rows`` of W, still packed."""
+    return PackedMatrix(packed.values[rows], None if packed.scales is None else packed.scales[rows])
+
+
+def stack_rows(matrices: list[PackedMatrix]) -> PackedMatrix:
+    """One packed matrix of the rows of ``matrices`` (one form, one width) in order."""
+    if len({(m.form, m.cols) for m in matrices}) != 1:
+        raise ValueError(f"stack_rows needs matrices of one form and width, got {matrices}")
+    scales = None
+    if matrices[0].scales is not None:
+        scales = jnp.concatenate([m.scales for m in matrices])
+    return PackedMatrix(jnp.concatenate([m.values for m in matrices]), scales)
+
+
 def _scales_operand(packed: PackedMatrix) -> jax.Array:
     if packed.scales is None:
         return jnp.zeros((0,), jnp.float32)

@@ -180,11 +180,6 @@ def dropout(
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
 
 
-def rows_of(packed: PackedMatrix, rows: slice) -> PackedMatrix:
-    """The rows ``rows`` of a packed matrix, as a packed matrix."""
-    return PackedMatrix(packed.values[rows], None if packed.scales is None else packed.scales[rows])
-
-
 class MultiHeadAttention(nn.Module):
     """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
 
@@ -217,7 +212,8 @@ class MultiHeadAttention(nn.Module):
         dtype = self.config.jnp_dtype
         if inputs_kv is inputs_q:
             return jnp.split(dense.matmul(inputs_q, packed).astype(dtype), 3, axis=-1)
-        query_rows, kv_rows = (rows_of(packed, part) for part in (slice(inner), slice(inner, None)))
+        query_rows = dense.row_block(packed, slice(inner))
+        kv_rows = dense.row_block(packed, slice(inner, None))
         return [
             dense.matmul(inputs_q, query_rows).astype(dtype),
             *jnp.split(dense.matmul(inputs_kv, kv_rows).astype(dtype), 2, axis=-1),
@@ -306,42 +302,35 @@ class MultiHeadAttention(nn.Module):
                 query_positions = cache_position + jnp.arange(query.shape[1])
                 visible = jnp.arange(key.shape[3])[None, :] <= query_positions[:, None]
                 mask = visible[None, None] if mask is None else mask & visible[None, None]
+        # Blocks of keys along which one softmax runs: (key, value, mask, bias) each.
+        blocks = [(key, value, mask, bias)]
         if stepped:
             # A decoding step attends to the cache as it was (the slots before cache_position)
             # and to its own keys (causally) as two blocks of one softmax: the same sum as over
             # the updated cache, but no product reads the updated arrays, so XLA writes them in
             # place once instead of copying the cache for every reader of a fused update.
             slots, steps = old_key.shape[3], query.shape[1]
-            earlier = (jnp.arange(slots) < cache_position)[None, None, None, :]
-            causal = (jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None])[None, None]
-            old_mask, new_mask = earlier, causal
+            old_mask = (jnp.arange(slots) < cache_position)[None, None, None, :]
+            new_mask = (jnp.arange(steps)[None, :] <= jnp.arange(steps)[:, None])[None, None]
             if mask is not None:
                 old_mask = old_mask & mask
                 new_mask = new_mask & jax.lax.dynamic_slice_in_dim(mask, cache_position, steps, 3)
-            logits = jnp.concatenate(
-                [
-                    self._logits(query, old_key, old_mask, bias),
-                    self._logits(
-                        query,
-                        key,
-                        new_mask,
-                        None
-                        if bias is None
-                        else jax.lax.dynamic_slice_in_dim(bias, cache_position, steps, 3),
-                    ),
-                ],
-                axis=-1,
+            new_bias = None
+            if bias is not None:
+                new_bias = jax.lax.dynamic_slice_in_dim(bias, cache_position, steps, 3)
+            blocks = [(old_key, old_value, old_mask, bias), (key, value, new_mask, new_bias)]
+        logits = jnp.concatenate([self._logits(query, k, m, b) for k, _, m, b in blocks], axis=-1)
+        weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
+        weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
+        contexts, start = [], 0
+        for block_key, block_value, _, _ in blocks:
+            width = block_key.shape[3]
+            block_weights = weights[..., start : start + width]
+            contexts.append(
+                jnp.einsum("bhqt,bhtk->bqhk", block_weights, block_value.astype(cfg.jnp_dtype))
             )
-            weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
-            weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
-            context = jnp.einsum(
-                "bhqt,bhtk->bqhk", weights[..., :slots], old_value.astype(cfg.jnp_dtype)
-            ) + jnp.einsum("bhqt,bhtk->bqhk", weights[..., slots:], value.astype(cfg.jnp_dtype))
-        else:
-            logits = self._logits(query, key, mask, bias)
-            weights = jax.nn.softmax(logits, axis=-1).astype(cfg.jnp_dtype)
-            weights = dropout(weights, cfg.dropout_rate, enable_dropout, self, broadcast_dims=(-2,))
-            context = jnp.einsum("bhqt,bhtk->bqhk", weights, value.astype(cfg.jnp_dtype))
+            start += width
+        context = sum(contexts[1:], contexts[0])
         context = context.reshape(*context.shape[:2], inner)
         out = DenseKernel(cfg.d_model, cfg, init, name="out")(context)
         if cache_position is not None:

@@ -67,6 +67,23 @@ def test_take_rows_converts_the_rows_it_takes():
 
 
 @pytest.mark.parametrize("form", dense.FORMS)
+def test_stacked_rows_and_row_blocks_keep_each_rows_weights(form):
+    rng = np.random.default_rng(3)
+    parts = [dense.pack(rng.standard_normal((n, 24)).astype(np.float32), form) for n in (8, 5)]
+    stacked = dense.stack_rows(parts)
+    assert (stacked.rows, stacked.cols, stacked.form) == (13, 24, form)
+    np.testing.assert_array_equal(
+        dense.unpack(stacked), np.concatenate([dense.unpack(p) for p in parts])
+    )
+    np.testing.assert_array_equal(
+        dense.unpack(dense.row_block(stacked, slice(8, None))), dense.unpack(parts[1])
+    )
+    other = "int8" if form == "bfloat16" else "bfloat16"
+    with pytest.raises(ValueError, match="one form and width"):
+        dense.stack_rows([parts[0], dense.pack(np.ones((2, 24), np.float32), other)])
+
+
+@pytest.mark.parametrize("form", dense.FORMS)
 def test_compiled_product_never_holds_float32_weights(form):
     """The CPU program is the kernel call on the stored bytes: no float32 [rows, cols] buffer (a
     convert feeding a dot would make one) and no dot."""

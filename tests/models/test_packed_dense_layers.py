@@ -36,6 +36,21 @@ def unpacked(params):
     return convert(params, ())
 
 
+def decoded_token_by_token(model, params, encoder_tokens, decoder_inputs):
+    """The logits ``[B, L, V]`` of incremental decoding, one decoder input per step, with a cache
+    of the inputs' length."""
+    encoded = run(model, params, encoder_tokens, method="encode")
+    length = decoder_inputs.shape[1]
+    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=length)
+    steps = []
+    for t in range(length):
+        logits, cache = decode_step(
+            model, params, cache, encoded, encoder_tokens, decoder_inputs[:, t : t + 1]
+        )
+        steps.append(logits)
+    return np.asarray(jnp.concatenate(steps, axis=1))
+
+
 @pytest.mark.parametrize("form", dense.FORMS)
 @pytest.mark.parametrize("config", [TINY, GATED_UNTIED], ids=["tied", "gated-untied"])
 def test_packed_model_computes_with_the_weights_it_stores(form, config):
@@ -92,18 +107,10 @@ def test_fused_self_attention_computes_what_three_kernels_do(form):
         run(model, fused, encoder_tokens, decoder_inputs, targets),
         run(model, apart, encoder_tokens, decoder_inputs, targets),
     )
-    steps = {}
-    for name, tree in (("fused", fused), ("apart", apart)):
-        encoded = run(model, tree, encoder_tokens, method="encode")
-        cache = init_cache(model, tree, encoded, encoder_tokens, max_decode_length=3)
-        logits = []
-        for t in range(3):
-            step, cache = decode_step(
-                model, tree, cache, encoded, encoder_tokens, decoder_inputs[:, t : t + 1]
-            )
-            logits.append(step)
-        steps[name] = np.asarray(jnp.concatenate(logits, axis=1))
-    np.testing.assert_array_equal(steps["fused"], steps["apart"])
+    np.testing.assert_array_equal(
+        decoded_token_by_token(model, fused, encoder_tokens, decoder_inputs[:, :3]),
+        decoded_token_by_token(model, apart, encoder_tokens, decoder_inputs[:, :3]),
+    )
 
 
 @pytest.mark.parametrize("form", dense.FORMS)
@@ -129,15 +136,8 @@ def test_packed_incremental_decoding_matches_teacher_forcing(form):
     params = pack_dense_params(params, form)
     decoder_inputs = shift_right(targets)
     full = run(model, params, encoder_tokens, decoder_inputs, targets)
-    encoded = run(model, params, encoder_tokens, method="encode")
-    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
-    steps = []
-    for t in range(6):
-        logits, cache = decode_step(
-            model, params, cache, encoded, encoder_tokens, decoder_inputs[:, t : t + 1]
-        )
-        steps.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(steps, axis=1), full, rtol=1e-5, atol=1e-5)
+    steps = decoded_token_by_token(model, params, encoder_tokens, decoder_inputs)
+    np.testing.assert_allclose(steps, full, rtol=1e-5, atol=1e-5)
 
 
 def test_packed_forms_store_a_half_and_a_quarter():
