@@ -37,7 +37,6 @@ only entries it writes itself: ``dense/``, ``dictionaries/<fp16>/`` and
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -46,12 +45,20 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import jax
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import traverse_util
 
-from qmoe_jax.checkpoints import orbax_trees, strict_json
+from qmoe_jax.checkpoints.compressed_trees import (
+    CompressedCheckpointError,
+    file_sizes,
+    flat_checksums,
+    missing_or_resized,
+    require_finite,
+    restore_tree,
+    save_tree,
+    verify_checksums,
+    write_json_atomic,
+)
 from qmoe_jax.checkpoints.output_dir import (
     LOCK_FILE,
     MANIFEST,
@@ -122,18 +129,6 @@ COMPRESSED_OUTPUT = OutputKind(
 )
 
 
-class CompressedCheckpointError(ValueError):
-    """A compressed checkpoint is missing, corrupt, or does not match what was asked for.
-
-    Attributes:
-      problem: what is wrong, without the advice that follows it in the message.
-    """
-
-    def __init__(self, problem: str, fix: str = ""):
-        super().__init__(f"{problem}; {fix}" if fix else problem)
-        self.problem = problem
-
-
 def layer_order(name: str) -> tuple[bool, int]:
     """Sort key of a sparse layer's name in the order the calibration pass visits it (encoder
     first)."""
@@ -141,39 +136,15 @@ def layer_order(name: str) -> tuple[bool, int]:
     return match.group(1) == "decoder", int(match.group(2))
 
 
-def array_checksum(array: np.ndarray) -> str:
-    """SHA-256 of the array's dtype, shape and C-order bytes."""
-    array = np.ascontiguousarray(array)
-    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
-    digest.update(array.reshape(-1).view(np.uint8))  # the C-order bytes, without copying them
-    return digest.hexdigest()
-
-
-def _flat_checksums(tree: dict) -> dict[str, str]:
-    flat = traverse_util.flatten_dict(tree, sep="/")
-    return {path: array_checksum(np.asarray(value)) for path, value in sorted(flat.items())}
-
-
-def write_json_atomic(path: str, payload: Any) -> None:
-    """Writes ``payload`` as JSON to ``path`` so that a crash leaves the old file or the new one,
-    never half."""
-    temporary = path + ".tmp"
-    with open(temporary, "w") as f:
-        strict_json.dump(payload, f, what=path, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temporary, path)
-
-
 def save_dense(directory: str, params: dict) -> dict:
     """Saves the non-expert parameters as ``<directory>/dense`` (replacing a stale copy); returns
     their manifest record (§8.3)."""
-    _require_finite(params, "dense parameters")
+    require_finite(params, "dense parameters")
     path = os.path.join(directory, "dense")
     if os.path.exists(path):
         shutil.rmtree(path)
-    _save_tree(path, params)
-    return {"checksums": _flat_checksums(params), "files": file_sizes(path)}
+    save_tree(path, params)
+    return {"checksums": flat_checksums(params), "files": file_sizes(path)}
 
 
 def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
@@ -182,107 +153,12 @@ def save_dictionary(directory: str, dictionary: Dictionary) -> dict:
     path = os.path.join(directory, "dictionaries", dictionary.fingerprint[:16])
     if os.path.exists(path):
         shutil.rmtree(path)
-    _save_tree(path, {"entries": np.asarray(dictionary.entries)})
+    save_tree(path, {"entries": np.asarray(dictionary.entries)})
     return {
         "p0": dictionary.p0,
         "directory": dictionary.fingerprint[:16],
         "files": file_sizes(path),
     }
-
-
-def _checkpointer() -> ocp.Checkpointer:
-    """The checkpointer of every tree of the format (``orbax_trees``): the files of
-    ``PyTreeCheckpointer()``, written by this process alone."""
-    local = _this_process_only()
-    return ocp.Checkpointer(orbax_trees.handler(local), multiprocessing_options=local)
-
-
-def _this_process_only() -> ocp.options.MultiprocessingOptions:
-    """Orbax options under which a process reads and writes a tree alone, without waiting for the
-    other processes of a multi-process JAX run (only one of them writes an output directory;
-    docs/multihost.md)."""
-    process = jax.process_index()
-    return ocp.options.MultiprocessingOptions(primary_host=process, active_processes={process})
-
-
-def _save_tree(path: str, tree: dict, expert_stacks: bool = False) -> None:
-    """Saves ``tree`` as an Orbax PyTree at ``path``; ``expert_stacks``: every array of two or more
-    dimensions leads with the expert axis, and is stored in chunks of whole experts."""
-    try:
-        _checkpointer().save(path, args=orbax_trees.save_args(tree, expert_stacks))
-    except (
-        ValueError
-    ) as error:  # tensorstore reports a failed write, a full disk included, as a ValueError
-        code = re.search(r"os_error_code='(\d+)'", str(error))
-        if code is None:
-            raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), path) from error
-
-
-def file_sizes(path: str) -> dict[str, int]:
-    """Size in bytes of every file under ``path``, by "/"-joined path relative to it."""
-    sizes = {}
-    for folder, _, files in os.walk(path):
-        for name in files:
-            full = os.path.join(folder, name)
-            sizes[os.path.relpath(full, path).replace(os.sep, "/")] = os.path.getsize(full)
-    return dict(sorted(sizes.items()))
-
-
-def _missing_or_resized(path: str, sizes: dict[str, int]) -> str | None:
-    """What differs between the files under ``path`` and their recorded sizes; None when nothing
-    does."""
-    if not os.path.isdir(path):
-        return f"{path} is missing"
-    for name, size in sizes.items():
-        full = os.path.join(path, name)
-        if not os.path.isfile(full):
-            return f"its file {name} is missing"
-        if os.path.getsize(full) != size:
-            return f"its file {name} has {os.path.getsize(full)} bytes instead of {size}"
-    return None
-
-
-def _require_finite(tree: dict, where: str) -> None:
-    for path, value in traverse_util.flatten_dict(tree, sep="/").items():
-        value = np.asarray(value)
-        if value.dtype.kind == "f" or value.dtype.name == "bfloat16":
-            bad = int(np.count_nonzero(~np.isfinite(value)))
-            if bad:
-                raise CompressedCheckpointError(
-                    f"{where}: array {path} holds {bad} NaN or infinite values, "
-                    "which a compressed checkpoint never stores"
-                )
-
-
-def _restore_tree(path: str, fix: str, part: str | None = None, rerun: str = "") -> dict:
-    """The Orbax tree at ``path``, inside ``part`` (the directory a re-run rewrites; default
-    ``path``). A missing ``part`` comes with the advice ``rerun`` (there is nothing to delete),
-    anything else with ``fix``."""
-    part = part or path
-    if not os.path.isdir(part):
-        raise CompressedCheckpointError(f"{part} is missing", rerun or fix)
-    if not os.path.isdir(path):
-        raise CompressedCheckpointError(f"{path} is missing", fix)
-    try:
-        local = _this_process_only()
-        handler = ocp.PyTreeCheckpointHandler(multiprocessing_options=local)
-        return ocp.Checkpointer(handler, multiprocessing_options=local).restore(path)
-    except Exception as error:  # orbax raises many types for damaged trees
-        raise CompressedCheckpointError(
-            f"cannot read the Orbax tree at {path}: {error}", fix
-        ) from error
-
-
-def _verify(tree: dict, checksums: dict[str, str], where: str, fix: str) -> None:
-    found = _flat_checksums(tree)
-    for path, expected in checksums.items():
-        if path not in found:
-            raise CompressedCheckpointError(f"{where}: array {path} is missing", fix)
-        if found[path] != expected:
-            raise CompressedCheckpointError(
-                f"{where}: checksum mismatch for array {path} (the file is corrupt)", fix
-            )
 
 
 def _delete_and_rerun(path: str, what: str) -> str:
@@ -472,17 +348,17 @@ class CompressedCheckpointWriter:
         same; if it does not, every later layer was made from other inputs and is
         unrecorded too, so that the run recomputes it.
         """
-        _require_finite(arrays, f"layer {name}")
+        require_finite(arrays, f"layer {name}")
         final = os.path.join(self.directory, "layers", name)
         staging = final + ".partial"
         for path in (final, staging):
             if os.path.exists(path):
                 shutil.rmtree(path)
         os.makedirs(staging)
-        _save_tree(os.path.join(staging, "arrays"), arrays, expert_stacks=True)
+        save_tree(os.path.join(staging, "arrays"), arrays, expert_stacks=True)
         record = {
             "stats": stats,
-            "checksums": _flat_checksums(arrays),
+            "checksums": flat_checksums(arrays),
             "files": file_sizes(staging),
             **self._layer_source(name, stats),
         }
@@ -536,7 +412,7 @@ class CompressedCheckpointWriter:
         found = []
 
         def damage(path: str, sizes: dict[str, int], read: Callable[[], Any] | None) -> str | None:
-            problem = _missing_or_resized(path, sizes)
+            problem = missing_or_resized(path, sizes)
             if problem is None and read is not None:
                 try:
                     read()
@@ -591,14 +467,14 @@ class CompressedCheckpointWriter:
                 for key, value in traverse_util.flatten_dict(kernels).items()
             }
         )
-        _require_finite(adapters, "expert adapters")
+        require_finite(adapters, "expert adapters")
         path = os.path.join(self.directory, ADAPTERS)
         if os.path.exists(path):
             shutil.rmtree(path)
-        _save_tree(path, adapters, expert_stacks=True)
+        save_tree(path, adapters, expert_stacks=True)
         self.manifest[ADAPTERS] = {
             "rank": rank,
-            "checksums": _flat_checksums(adapters),
+            "checksums": flat_checksums(adapters),
             "files": file_sizes(path),
         }
         self._commit()
@@ -656,8 +532,8 @@ class CompressedCheckpoint:
         path = os.path.join(self.directory, "dense")
         what = "rewrites it from the source checkpoint"
         fix = _delete_and_rerun(path, what)
-        tree = _restore_tree(path, fix, rerun=_rerun(what))
-        _verify(tree, self.manifest["dense"]["checksums"], "dense parameters", fix)
+        tree = restore_tree(path, fix, rerun=_rerun(what))
+        verify_checksums(tree, self.manifest["dense"]["checksums"], "dense parameters", fix)
         return tree
 
     def dictionary(self, fingerprint: str) -> Dictionary:
@@ -668,7 +544,7 @@ class CompressedCheckpoint:
             )
         path = os.path.join(self.directory, "dictionaries", record["directory"])
         fix = _delete_and_rerun(path, "rebuilds it")
-        entries = np.asarray(_restore_tree(path, fix, rerun=_rerun("rebuilds it"))["entries"])
+        entries = np.asarray(restore_tree(path, fix, rerun=_rerun("rebuilds it"))["entries"])
         if fingerprint_of(entries) != fingerprint:
             raise CompressedCheckpointError(
                 f"dictionary {record['directory']} does not match its fingerprint "
@@ -687,8 +563,8 @@ class CompressedCheckpoint:
         fix = (
             "re-run the `python -m qmoe_jax.finetune` command that wrote it into a new --output_dir"
         )
-        tree = _restore_tree(path, fix)
-        _verify(tree, record["checksums"], "expert adapters", fix)
+        tree = restore_tree(path, fix)
+        verify_checksums(tree, record["checksums"], "expert adapters", fix)
         by_layer: dict[str, dict] = {}
         for key, value in traverse_util.flatten_dict(tree).items():
             by_layer.setdefault(".".join(key[:-2]), {}).setdefault(key[-2], {})[key[-1]] = value
@@ -704,8 +580,8 @@ class CompressedCheckpoint:
             )
         part = os.path.join(self.directory, "layers", name)
         fix = _delete_and_rerun(part, "recomputes that layer")
-        tree = _restore_tree(
+        tree = restore_tree(
             os.path.join(part, "arrays"), fix, part, _rerun("recomputes that layer")
         )
-        _verify(tree, record["checksums"], f"layer {name}", fix)
+        verify_checksums(tree, record["checksums"], f"layer {name}", fix)
         return tree, record["stats"]

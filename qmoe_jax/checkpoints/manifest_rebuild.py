@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+from qmoe_jax.checkpoints.compressed_trees import file_sizes, write_json_atomic
 from qmoe_jax.checkpoints.format_v1 import (
     FORMAT,
     FORMAT_VERSION,
@@ -31,10 +32,8 @@ from qmoe_jax.checkpoints.format_v1 import (
     RERUN,
     RUN_HEADER,
     CompressedCheckpointError,
-    file_sizes,
     layer_order,
     lost_manifest,
-    write_json_atomic,
 )
 from qmoe_jax.checkpoints.output_dir import MANIFEST, read_json_object
 

@@ -35,12 +35,12 @@ from collections.abc import Callable, Iterable, Sequence
 import ml_dtypes
 import numpy as np
 
+from qmoe_jax.checkpoints.compressed_trees import write_json_atomic
 from qmoe_jax.checkpoints.format_v1 import (
     CompressedCheckpoint,
     CompressedCheckpointError,
     save_dense,
     save_dictionary,
-    write_json_atomic,
 )
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, check_writable, read_json_object
 from qmoe_jax.codec import CompressedExperts

@@ -38,14 +38,13 @@ import shutil
 
 import numpy as np
 
+from qmoe_jax.checkpoints.compressed_trees import array_checksum, write_json_atomic
 from qmoe_jax.checkpoints.format_v1 import (
     FORMAT as COMPRESSED_FORMAT,
 )
 from qmoe_jax.checkpoints.format_v1 import (
     CompressedCheckpoint,
     CompressedCheckpointError,
-    array_checksum,
-    write_json_atomic,
 )
 from qmoe_jax.checkpoints.layer_arrays import TERNARY_DTYPES, kernel_cols
 from qmoe_jax.checkpoints.output_dir import MANIFEST, read_json_object

@@ -24,7 +24,8 @@ import numpy as np
 import tensorstore as ts
 
 from qmoe_jax.checkpoints import open_t5x_checkpoint
-from qmoe_jax.checkpoints.format_v1 import CompressedCheckpointError, array_checksum
+from qmoe_jax.checkpoints.compressed_trees import array_checksum
+from qmoe_jax.checkpoints.format_v1 import CompressedCheckpointError
 from qmoe_jax.checkpoints.layer_arrays import compressed_stack
 from qmoe_jax.checkpoints.storage import location, open_zarrs
 from qmoe_jax.checkpoints.t5x_orbax import METADATA_FILE, STATE_DIR

@@ -33,7 +33,7 @@ import shutil
 import orbax.checkpoint as ocp
 
 from qmoe_jax.checkpoints import orbax_trees, strict_json
-from qmoe_jax.checkpoints.format_v1 import write_json_atomic
+from qmoe_jax.checkpoints.compressed_trees import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import MANIFEST, OutputKind, read_json_object
 from qmoe_jax.distributed import exchange, runtime
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from qmoe_jax.checkpoints import format_v1, orbax_trees
+from qmoe_jax.checkpoints import compressed_trees, orbax_trees
 from qmoe_jax.training.run_directory import TRAIN_STATE, RunDirectory
 
 
@@ -102,7 +102,7 @@ def test_arrays_over_the_data_file_size_are_split_into_bounded_files(tmp_path, m
     monkeypatch.setattr(orbax_trees, "DATA_FILE_BYTES", 1 << 19)
     codes = np.random.default_rng(0).integers(0, 1 << 16, (4, 1 << 20), dtype=np.uint16)  # 8 MiB
     path = str(tmp_path / "tree")
-    format_v1._save_tree(path, {"codes": codes, "small": np.arange(3, dtype=np.int32)})
+    compressed_trees.save_tree(path, {"codes": codes, "small": np.arange(3, dtype=np.int32)})
     data = [  # OCDBT data files: <path>/ocdbt.process_<i>/d/<hash>
         os.path.getsize(os.path.join(folder, name))
         for folder, _, names in os.walk(path)

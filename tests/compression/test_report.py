@@ -2,7 +2,7 @@
 
 import os
 
-from qmoe_jax.checkpoints.format_v1 import write_json_atomic
+from qmoe_jax.checkpoints.compressed_trees import write_json_atomic
 from qmoe_jax.checkpoints.output_dir import read_json_object
 from qmoe_jax.compression.report import build_report
 
