@@ -256,9 +256,8 @@ void Run(ffi::ThreadPool& pool, const Problem& p, bool avx2) {
   const int64_t token_blocks = (p.tokens + kTokenBlock - 1) / kTokenBlock;
   // Enough row blocks for 2 tasks per thread when there are few tokens, in
   // multiples of 8 rows. Each task starts its stream of rows cold, so small
-  // matrices (a decoding step's 768x768 products) lose to many small tasks:
-  // against 8 per thread, int8 batch-1 decoding takes 0.93x the time per
-  // token (docs/dense_forms.md).
+  // matrices (a decoding step's 768x768 products) lose to many small tasks
+  // (docs/dense_forms.md has the measurement against 8 per thread).
   int64_t row_block = p.rows / std::max<int64_t>(1, kTasksPerThread * workers / token_blocks);
   row_block = std::clamp<int64_t>((row_block + 7) / 8 * 8, kMinRowBlock, kMaxRowBlock);
   const int64_t row_blocks = (p.rows + row_block - 1) / row_block;

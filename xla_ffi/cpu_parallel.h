@@ -65,8 +65,8 @@ void ParallelFor(xla::ffi::ThreadPool& pool, int64_t tasks, const Body& body) {
   // Every task is claimed now; helpers still on one finish within a task's
   // time. Wait for them spinning first (up to kSpinWait): sleeping and being
   // woken costs tens of microseconds on a virtual machine, as much as a
-  // small matrix's whole product (measured: a 768x3072 matvec 0.21 ms with
-  // an immediate sleep, 0.13 ms with the spin, on 2 cores of a Zen 3 VM).
+  // small matrix's whole product (docs/cpu_kernels.md §2; the measurement
+  // is in docs/measurements.md, kernels_cpu.py).
   const auto spin_until = std::chrono::steady_clock::now() + kSpinWait;
   while (loop->finished.load() != tasks && std::chrono::steady_clock::now() < spin_until) {
     for (int i = 0; i < 64; ++i) CpuRelax();

@@ -19,8 +19,8 @@ namespace qmoe::cpu {
 namespace {
 
 // Codewords ahead whose words are prefetched: about a memory latency's worth
-// when the table has left the caches (48 was 18% faster than 16 with the
-// caches flushed before each matrix, and equal with them warm, on Zen 3).
+// when the table has left the caches (docs/measurements.md, "Where the
+// kernel's time goes", has what the prefetch and its distance are worth).
 constexpr int64_t kPrefetchDistance = 48;
 
 QMOE_AVX2 float HorizontalSum(__m128 v) {
@@ -33,7 +33,7 @@ QMOE_AVX2 float HorizontalSum(__m128 v) {
 // a shift and a mask took up to three instructions. With the window kept as
 // a pointer, rows_dot's chunked loop compiles (GCC 12, -O3) to 18
 // instructions per codeword instead of 27, or 22 instead of 32 where the
-// dictionary has 4-weight entries; on Zen 3 its time followed that count
+// dictionary has 4-weight entries; its time follows that count
 // (docs/cpu_kernels.md §1).
 struct WordControls {
   uint64_t field[kWordFields];
@@ -101,8 +101,8 @@ QMOE_AVX2_INLINE const float* AddCodeword(const DictionaryView& dictionary,
 // prefetched across row ends up to the span's last code.
 //
 // A row's codewords but its last run in chunks of kCheckedChunk with one check of
-// where the chunk starts, and without clamping the prefetch (both cost about
-// as much as the decode: 14-16% faster on Zen 3). Checking every codeword's
+// where the chunk starts, and without clamping the prefetch (per codeword,
+// both cost about as much as the decode; docs/cpu_kernels.md §1). Checking every codeword's
 // start is not needed for correctness: starts never decrease, so a codeword
 // starting at or past padded_cols makes the row's last codeword, which is
 // always checked, start there too, and the row fails as before. Memory stays

@@ -63,11 +63,10 @@ void ZeroUnusedTokens(const DenseRows& out, int64_t tokens,
 }
 
 std::vector<const char*> CpuIsas() {
-  // On AMD CPUs the AVX2 row kernels come first even where AVX-512 exists: on a Zen 4 (2 cores, 32
-  // MB L3) they ran the one-token product 1.27-1.32x as fast back to back and 1.3-1.6x under the
-  // rotating expert pattern, the 16-token product 1.1-1.3x (docs/cpu_kernels.md §1). Elsewhere
-  // AVX-512 first. The GPTQ block and Cholesky kernels follow the same choice (SelectIsaBuild); on
-  // that Zen 4 their AVX2 and AVX-512 builds ran at the same speed (docs/calibration.md §4).
+  // On AMD CPUs the AVX2 row kernels come first even where AVX-512 exists: on Zen 4 they ran
+  // the one-token and the 16-token product faster (docs/cpu_kernels.md §1). Elsewhere AVX-512
+  // first. The GPTQ block and Cholesky kernels follow the same choice (SelectIsaBuild); their
+  // AVX2 and AVX-512 builds ran at the same speed on Zen 4 (docs/calibration.md §4).
   const bool avx512 = CpuHasAvx512(), avx2 = CpuHasAvx2();
   const bool avx2_first = avx2 && __builtin_cpu_is("amd");
   std::vector<const char*> isas;
