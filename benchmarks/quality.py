@@ -22,7 +22,8 @@ import time
 
 from common import result_path, write_result
 
-from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+from qmoe_jax.compression.job import compress_checkpoint
+from qmoe_jax.compression.options import CompressionOptions
 from qmoe_jax.data import Tokenizer, bundled
 from qmoe_jax.inference import (
     bundled_validation_examples,

@@ -31,7 +31,8 @@ except ValueError as error:
 # Imported after the malloc set-up above, which must run before jax loads (E402).
 from qmoe_jax.checkpoints.nonfinite import POLICIES  # noqa: E402
 from qmoe_jax.cli import add_debug_flag, finite_float, run_cli  # noqa: E402
-from qmoe_jax.compression.job import GRIDS, VERIFY_LEVELS, CompressionOptions, compress_checkpoint  # noqa: E402
+from qmoe_jax.compression.job import compress_checkpoint  # noqa: E402
+from qmoe_jax.compression.options import GRIDS, VERIFY_LEVELS, CompressionOptions  # noqa: E402
 from qmoe_jax.data import PREMASKS  # noqa: E402
 from qmoe_jax.distributed import runtime as distributed_runtime  # noqa: E402
 

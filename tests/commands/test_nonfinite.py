@@ -15,7 +15,7 @@ import pytest
 import qmoe_jax
 from qmoe_jax import compress, evaluate, finetune, generate
 from qmoe_jax.checkpoints import strict_json
-from qmoe_jax.compression.job import CompressionOptions
+from qmoe_jax.compression.options import CompressionOptions
 from qmoe_jax.inference.strategies import DecodingConfig
 from qmoe_jax.training import FinetuneOptions
 from qmoe_jax.training import finetune as run_finetune

@@ -15,7 +15,8 @@ from helpers.text import synthetic_sentences
 from qmoe_jax import compress
 from qmoe_jax.checkpoints import open_t5x_checkpoint
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
-from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+from qmoe_jax.compression.job import compress_checkpoint
+from qmoe_jax.compression.options import CompressionOptions
 from qmoe_jax.compression.report import summary_table
 from qmoe_jax.data import bundled
 from qmoe_jax.inference import mean_cross_entropy
@@ -115,7 +116,8 @@ def test_rtn_and_kbit(tiny_setup, tmp_path):
 
 RUNNER = """
 from helpers.switch_fixtures import TINY
-from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+from qmoe_jax.compression.job import compress_checkpoint
+from qmoe_jax.compression.options import CompressionOptions
 from qmoe_jax.models.configs import resolve_config
 options = CompressionOptions(**{options!r})
 compress_checkpoint(options, log=lambda line: print(line, flush=True), progress=False, config=TINY)

@@ -7,7 +7,7 @@ import os
 import numpy as np
 
 from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
-from qmoe_jax.compression.job import CompressionOptions
+from qmoe_jax.compression.options import CompressionOptions
 
 
 def options(setup, output_dir, **overrides):

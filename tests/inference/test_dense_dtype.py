@@ -10,7 +10,8 @@ from helpers.switch_fixtures import TINY
 
 from qmoe_jax import generate as generate_cli
 from qmoe_jax.codec import CompressedExperts
-from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+from qmoe_jax.compression.job import compress_checkpoint
+from qmoe_jax.compression.options import CompressionOptions
 from qmoe_jax.data import Tokenizer, bundled, corpus
 from qmoe_jax.inference import mean_cross_entropy, open_model, validation_set
 from qmoe_jax.inference.dense_forms import dense_bytes

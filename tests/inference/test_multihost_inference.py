@@ -11,7 +11,8 @@ from helpers.switch_fixtures import write_calibration_text
 
 from qmoe_jax import evaluate as evaluate_cli
 from qmoe_jax import generate as generate_cli
-from qmoe_jax.compression.job import CompressionOptions, compress_checkpoint
+from qmoe_jax.compression.job import compress_checkpoint
+from qmoe_jax.compression.options import CompressionOptions
 from qmoe_jax.data import corpus
 
 pytestmark = pytest.mark.slow
