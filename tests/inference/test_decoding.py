@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 from helpers.tiny_model import TINY, init, run, shift_right
 
-from qmoe_jax.inference.strategies import DecodingConfig, filter_logits, generate
+from qmoe_jax.inference.strategies import DecodingConfig, _sample, filter_logits, generate
 
 GREEDY = DecodingConfig(method="greedy", max_decode_length=6, eos_id=-1)
 
@@ -136,3 +137,36 @@ def test_filter_logits_keeps_the_top_k_and_the_nucleus():
 def test_decoding_config_rejects_bad_settings(field, value, message):
     with pytest.raises(ValueError, match=message):
         DecodingConfig(**{field: value})
+
+
+def _while_bodies(hlo: str) -> list[str]:
+    """The text of every while loop's body computation in optimized HLO text."""
+    bodies = []
+    for body in re.findall(r"while\(.*?, body=%?([\w.\-]+)", hlo):
+        start = hlo.index(f"{body} (")
+        bodies.append(hlo[start : hlo.index("\n}\n", start)])
+    return bodies
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decoding_loop_updates_the_attention_caches_in_place(dtype):
+    """No copy of a self-attention cache in the compiled greedy loop: each step reads the old
+    cache, then writes its keys and values into it where it is (the update depends on the
+    products that read it). Copying each cache twice per step cost 48 copies per token on a
+    switch-base-shaped model (docs/measurements.md, decode_profile.py)."""
+    config = dataclasses.replace(TINY, dtype=dtype)
+    model, params, encoder_tokens, _ = init(config, batch=1)
+    length = 9
+    hlo = (
+        _sample.lower(model, params, encoder_tokens, DecodingConfig(max_decode_length=length), None)
+        .compile()
+        .as_text()
+    )
+    (body,) = _while_bodies(hlo)
+    # Self-attention caches: key [1, h, k, L], value [1, h, L, k] with L = the decode length.
+    h, k = config.num_heads, config.d_kv
+    cache_shapes = {f"[1,{h},{k},{length}]", f"[1,{h},{length},{k}]"}
+    assert body.count("dynamic-update-slice") >= 2 * config.num_decoder_layers
+    copies = [line.strip() for line in body.splitlines() if " copy(" in line]
+    cached = [line for line in copies if any(shape in line.split("=")[1] for shape in cache_shapes)]
+    assert not cached, cached
