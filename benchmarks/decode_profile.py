@@ -103,24 +103,9 @@ def trace_events(directory: str):
                 yield line.name, event.name, event.duration_ns
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--model", choices=MODELS, default="base-shaped")
-    parser.add_argument("--form", choices=FORMS, default="compressed int8")
-    parser.add_argument("--experts", type=int, default=16, help="experts of the base-shaped model")
-    parser.add_argument("--tokens", type=int, default=33, help="decoded tokens in the trace")
-    parser.add_argument("--prompt_length", type=int, default=32)
-    parser.add_argument("--top", type=int, default=25, help="kinds printed")
-    parser.add_argument("--work_dir", default=work_dir("inference"))
-    parser.add_argument("--output", default=result_path("decode_profile"))
-    args = parser.parse_args()
-    if args.tokens < 2:
-        parser.error("--tokens must be at least 2")
-
-    path = checkpoint_for(args.model, args)
-    scratch = tempfile.mkdtemp(prefix="decode_profile_")
+def profile(path: str, args, scratch: str) -> tuple[list[dict], float, float]:
+    """(``summarize``'s rows, untraced ms per decoded token, traced seconds) of ``args.form`` on
+    the checkpoint at ``path``; the HLO dump and the trace go under ``scratch``."""
     dump = os.path.join(scratch, "hlo")
     # Before jax starts: XLA reads its flags once.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
@@ -146,7 +131,7 @@ def main() -> None:
     def best(length: int, repeats: int = 5) -> float:
         return min(run(length) for _ in range(repeats))
 
-    best(1, 2)  # compiles both programs
+    best(1, 2)  # compiles the two programs
     best(args.tokens, 2)
     untraced_ms = 1e3 * (best(args.tokens) - best(1)) / (args.tokens - 1)
     trace = os.path.join(scratch, "trace")
@@ -159,7 +144,31 @@ def main() -> None:
         with open(file) as f:
             hlo += f.read()
     rows = summarize(trace_events(trace), operation_kinds(hlo), args.tokens)
-    shutil.rmtree(scratch)
+    return rows, untraced_ms, traced_seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=MODELS, default="base-shaped")
+    parser.add_argument("--form", choices=FORMS, default="compressed int8")
+    parser.add_argument("--experts", type=int, default=16, help="experts of the base-shaped model")
+    parser.add_argument("--tokens", type=int, default=33, help="decoded tokens in the trace")
+    parser.add_argument("--prompt_length", type=int, default=32)
+    parser.add_argument("--top", type=int, default=25, help="kinds printed")
+    parser.add_argument("--work_dir", default=work_dir("inference"))
+    parser.add_argument("--output", default=result_path("decode_profile"))
+    args = parser.parse_args()
+    if args.tokens < 2:
+        parser.error("--tokens must be at least 2")
+
+    path = checkpoint_for(args.model, args)
+    scratch = tempfile.mkdtemp(prefix="decode_profile_")
+    try:
+        rows, untraced_ms, traced_seconds = profile(path, args, scratch)
+    finally:  # the HLO dump and the trace are tens of MB
+        shutil.rmtree(scratch, ignore_errors=True)
     groups = collections.Counter()
     for row in rows:
         groups[group_of(row["kind"])] += row["ms_per_token"]
