@@ -115,6 +115,18 @@ def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: floa
     return logits
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """``jnp.argmax(x, axis=-1)`` (int32) of ``x [B, V]``: the first maximum, or the first NaN
+    where a row has one. Two plain reductions, a max and then a min over the indices that hold
+    it: XLA:CPU runs jnp.argmax's reduction of (value, index) pairs serially, and over 32128
+    logits it was the costliest XLA operation of a decoding step (docs/measurements.md,
+    decode_profile.py)."""
+    top = jnp.max(x, axis=-1, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    hits = (x == top) | jnp.isnan(x)
+    return jnp.min(jnp.where(hits, index, x.shape[-1]), axis=-1)
+
+
 @functools.partial(jax.jit, static_argnames=("model", "config"))
 def _sample(model, params, encoder_input_tokens, config: DecodingConfig, rng):
     batch = encoder_input_tokens.shape[0]
@@ -133,7 +145,7 @@ def _sample(model, params, encoder_input_tokens, config: DecodingConfig, rng):
         )
         log_probs = jax.nn.log_softmax(logits[:, 0].astype(jnp.float32), axis=-1)
         if config.method == "greedy":
-            token = jnp.argmax(log_probs, axis=-1)
+            token = first_argmax(log_probs)
         else:
             filtered = filter_logits(logits[:, 0], config.temperature, config.top_k, config.top_p)
             token = jax.random.categorical(jax.random.fold_in(rng, t), filtered, axis=-1)

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 from helpers.tiny_model import TINY, init, run, shift_right
 
-from qmoe_jax.inference.strategies import DecodingConfig, _sample, filter_logits, generate
+from qmoe_jax.inference.strategies import (
+    DecodingConfig,
+    _sample,
+    filter_logits,
+    first_argmax,
+    generate,
+)
 
 GREEDY = DecodingConfig(method="greedy", max_decode_length=6, eos_id=-1)
 
@@ -109,6 +115,26 @@ def test_sampling_with_top_k_1_is_greedy():
         jax.random.PRNGKey(0),
     ).tokens
     np.testing.assert_array_equal(sampled, greedy)
+
+
+def test_first_argmax_is_jnp_argmax_with_ties_nans_and_infinities():
+    rng = np.random.default_rng(0)
+    rows = rng.standard_normal((6, 32128)).astype(np.float32)
+    rows[1, [7, 900, 31000]] = 9.0  # ties: the first one wins
+    rows[2, [50, 60]] = np.nan  # a NaN wins, the first one
+    rows[3] = -np.inf
+    rows[4, 123] = np.inf
+    rows[5] = np.round(rows[5])  # many ties among small integers
+    for x in (rows, rows[:1], rows[:, :5]):
+        expected = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+        got = jax.jit(first_argmax)(jnp.asarray(x))
+        assert got.dtype == jnp.int32
+        np.testing.assert_array_equal(got, expected)
+    assert first_argmax(jnp.asarray(rows))[:3].tolist() == [
+        int(np.argmax(rows[0])),
+        7,
+        50,
+    ]
 
 
 def test_filter_logits_keeps_the_top_k_and_the_nucleus():
