@@ -237,8 +237,10 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
 }
 
 // One task: rows [r0, r1) times tokens [t0, t1), three tokens at a time (the
-// first tokens left over two or one at a time; one token takes 8 rows per tile
-// for more independent sums).
+// first tokens left over two or one at a time). One token takes tiles of 4 int8
+// rows or 8 bfloat16 rows: in decoding, int8 products in tiles of 4 took a median
+// 0.93-0.98x the time per token of tiles of 8, and bfloat16 ones did not gain
+// (docs/dense_forms.md).
 template <typename W, bool kAvx2>
 void Block(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1) {
   int64_t t = t0;
@@ -247,7 +249,7 @@ void Block(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1) {
   }
   for (; t + 3 <= t1; t += 3) TokenGroup<W, kAvx2, 4, 3>(p, r0, r1, t);
   if (t1 - t == 2) TokenGroup<W, kAvx2, 4, 2>(p, r0, r1, t);
-  if (t1 - t == 1) TokenGroup<W, kAvx2, 8, 1>(p, r0, r1, t);
+  if (t1 - t == 1) TokenGroup<W, kAvx2, std::is_same_v<W, int8_t> ? 4 : 8, 1>(p, r0, r1, t);
 }
 
 template <typename W>
