@@ -126,6 +126,7 @@ def worker(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     from qmoe_jax.compression import job
+    from qmoe_jax.compression.options import CompressionOptions
 
     opened, open_checkpoint = {}, job.open_t5x_checkpoint
 
@@ -134,7 +135,7 @@ def worker(argv: list[str]) -> None:
         return opened["reads"]
 
     job.open_t5x_checkpoint = counting_open  # the job opens its source through this name
-    options = job.CompressionOptions(
+    options = CompressionOptions(
         checkpoint=args.checkpoint,
         config=args.config,
         num_samples=args.num_samples,
