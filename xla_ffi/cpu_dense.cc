@@ -238,9 +238,8 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
 
 // One task: rows [r0, r1) times tokens [t0, t1), three tokens at a time (the
 // first tokens left over two or one at a time). One token takes tiles of 4 int8
-// rows or 8 bfloat16 rows: in decoding, int8 products in tiles of 4 took a median
-// 0.93-0.98x the time per token of tiles of 8, and bfloat16 ones did not gain
-// (docs/dense_forms.md).
+// rows or 8 bfloat16 rows, the heights that decoded fastest (docs/dense_forms.md
+// has the comparison).
 template <typename W, bool kAvx2>
 void Block(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1) {
   int64_t t = t0;
