@@ -14,6 +14,13 @@ Optional expert LoRA (``models/lora.py``): when the tree holds adapters at
 ``expert/lora/<kernel>/{a, b}``, each product becomes ``W_e x + B_e A_e x``; the
 frozen part stays one fused call per kernel and layer, the adapters one batched
 einsum pair over the experts. Without adapters nothing changes.
+
+Few tokens (decoding; ``default_per_token_limit``) take the MoE layer's per-token path: each token's
+expert is gathered out of the stacks (one expert's codes, row offsets and min/max per token and
+kernel; 0.25 MB at switch-base's shapes) and one kernel call multiplies the N tokens by their N
+experts. The dispatch path's ``[E, slots, d]`` and ``[E, slots, d_ff]`` buffers, which a step
+writes and reads whole even when one expert is routed, grow with E (6 MB per layer for 128 experts
+at switch-base's shapes); the gathered experts do not. Expert parallelism keeps the dispatch path.
 """
 
 from __future__ import annotations
@@ -23,13 +30,26 @@ from collections.abc import Mapping
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from qmoe_jax.codec import CompressedExperts, Dictionary
 from qmoe_jax.kernels import ops
 from qmoe_jax.models.configs import SwitchConfig
 from qmoe_jax.models.layers import dropout
 from qmoe_jax.models.lora import LORA, adapter_output
-from qmoe_jax.models.mlp import hidden_units
+from qmoe_jax.models.mlp import hidden_units, kernel_names
+
+
+def default_per_token_limit(num_experts: int) -> int:
+    """Tokens up to which the per-token path is the default: 1, and up to 16 while there are 8
+    experts per token or more.
+
+    A dispatched call decodes each routed expert once for all its tokens; the per-token path
+    decodes one expert per token, so tokens that share an expert decode it again. With N tokens
+    routed evenly over E experts, about (N - 1)/(2E) of the per-token path's decoding repeats;
+    at N ≤ E/8 that is under 1/16.
+    """
+    return max(1, min(16, num_experts // 8))
 
 
 class CompressedMlpExperts(nn.Module):
@@ -43,14 +63,29 @@ class CompressedMlpExperts(nn.Module):
       mesh: expert parallelism: the stacks are sharded over this mesh's
         ``expert`` axis, and each device multiplies the tokens dispatched to its
         own experts (``ops.expert_parallel``); None runs every expert here.
+      per_token_limit: calls of at most this many tokens multiply each token by its own expert,
+        gathered out of the stacks (the per-token path); 0 always dispatches. None (default):
+        ``default_per_token_limit(E)``, and 0 with a mesh.
     """
 
     config: SwitchConfig
     dictionaries: Mapping[str, Dictionary]
     mesh: jax.sharding.Mesh | None = None
+    per_token_limit: int | None = None
+
+    @property
+    def gather_tokens(self) -> int:
+        """The most tokens of a call that take the per-token path (``MoeLayer`` reads it)."""
+        if self.per_token_limit is not None:
+            return self.per_token_limit
+        return 0 if self.mesh is not None else default_per_token_limit(self.config.num_experts)
+
+    def _layer(self) -> str:
+        """This sparse layer's dotted path without ``expert`` (e.g. ``"encoder.layers_1.mlp"``)."""
+        return ".".join(self.path[:-1])
 
     def _dictionary(self) -> Dictionary:
-        layer = ".".join(self.path[:-1])
+        layer = self._layer()
         if layer not in self.dictionaries:
             raise KeyError(
                 f"no dictionary for sparse layer {layer!r}; known: {sorted(self.dictionaries)}"
@@ -74,6 +109,48 @@ class CompressedMlpExperts(nn.Module):
             )
         return kernel
 
+    def _routed_stacks(self, expert_index: jax.Array) -> dict[str, CompressedExperts]:
+        """{kernel: the stack of each token's expert, ``[N]`` matrices} for ``expert_index
+        int32[N]``."""
+        routed = {}
+        for name in kernel_names(self.config):
+            stack = self._kernel(name)
+            routed[name] = CompressedExperts(
+                *(
+                    jnp.take(array, expert_index, axis=0, mode="clip")
+                    for array in (stack.codes, stack.row_offsets, stack.minmax)
+                ),
+                stack.cols,
+            )
+        return routed
+
+    def _per_token(
+        self, tokens: jax.Array, expert_index: jax.Array, enable_dropout: bool
+    ) -> jax.Array:
+        """``tokens [N, d] → [N, d]`` through each token's own expert (``expert_index
+        int32[N]``)."""
+        cfg = self.config
+        if self.mesh is not None:
+            raise ValueError(
+                "the per-token path gathers experts on one device, and this layer's experts are "
+                "sharded over a mesh: leave per_token_limit at None (or 0) with a mesh"
+            )
+        dictionary = self._dictionary()
+        stacks = self._routed_stacks(expert_index)
+        adapters = self.get_variable("params", LORA) or {}
+
+        def project(name: str, x: jax.Array) -> jax.Array:
+            y = ops.matmul(stacks[name], x[:, None, :], dictionary)
+            if name in adapters:
+                routed = {part: array[expert_index] for part, array in adapters[name].items()}
+                y = y + adapter_output(routed, x[:, None, :])
+            return y[:, 0]
+
+        x = tokens.astype(cfg.jnp_dtype)
+        hidden = hidden_units(cfg, lambda name: project(name, x))
+        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        return project("wo", hidden)
+
     @nn.compact
     def __call__(
         self,
@@ -81,7 +158,10 @@ class CompressedMlpExperts(nn.Module):
         counts: jax.Array | None = None,
         *,
         enable_dropout: bool = False,
+        expert_index: jax.Array | None = None,
     ) -> jax.Array:
+        if expert_index is not None:
+            return self._per_token(expert_inputs, expert_index.astype(jnp.int32), enable_dropout)
         cfg = self.config
         dictionary = self._dictionary()
         matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)

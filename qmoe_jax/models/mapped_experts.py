@@ -12,7 +12,7 @@ experts' pages and releases those of experts unused for longest (``touch``
 of ``inference.mapped_params.ExpertResidency``). The kernels take what the host
 returns, so they cannot run before it.
 
-Few tokens (decoding; at most ``gather_tokens``) take the per-token path of
+Few tokens (decoding; at most ``per_token_limit``, 16) take the per-token path of
 the MoE layer: the host returns each token's expert copied out of the
 mapping (``gather``; one expert's codes, e.g. 2.4 MB at c-2048's shapes), and
 one kernel call multiplies the N tokens by their N experts. With 2048
@@ -32,10 +32,8 @@ import jax
 import jax.numpy as jnp
 
 from qmoe_jax.codec import CompressedExperts, Dictionary
-from qmoe_jax.kernels import ops
 from qmoe_jax.models.compressed_experts import CompressedMlpExperts
-from qmoe_jax.models.layers import dropout
-from qmoe_jax.models.mlp import hidden_units, kernel_names
+from qmoe_jax.models.mlp import kernel_names
 
 
 class MappedMlpExperts(CompressedMlpExperts):
@@ -46,12 +44,12 @@ class MappedMlpExperts(CompressedMlpExperts):
         input) and ``gather(layer: str, expert_index: int32[N]) -> {kernel: (codes [N, n],
         row_offsets [N, rows+1], minmax [N, rows, 2])}`` (the routed experts' arrays); each raises
         an exception naming the file and the expert when it cannot.
-      gather_tokens: calls of at most this many tokens gather each token's expert (the per-token
-        path).
+      per_token_limit: calls of at most this many tokens gather each token's expert (the
+        per-token path).
     """
 
     residency: Any = None
-    gather_tokens: int = 16
+    per_token_limit: int | None = 16
 
     def __call__(
         self,
@@ -61,30 +59,23 @@ class MappedMlpExperts(CompressedMlpExperts):
         enable_dropout: bool = False,
         expert_index: jax.Array | None = None,
     ) -> jax.Array:
-        layer = ".".join(self.path[:-1])
-        if expert_index is not None:
-            return self._per_token(
-                layer, expert_inputs, expert_index.astype(jnp.int32), enable_dropout
+        if expert_index is None:
+            if counts is None:
+                counts = jnp.full((expert_inputs.shape[0],), expert_inputs.shape[1], jnp.int32)
+            counts = jax.pure_callback(
+                functools.partial(self.residency.touch, self._layer()),
+                jax.ShapeDtypeStruct(counts.shape, counts.dtype),
+                counts,
+                vmap_method="sequential",
             )
-        if counts is None:
-            counts = jnp.full((expert_inputs.shape[0],), expert_inputs.shape[1], jnp.int32)
-        counts = jax.pure_callback(
-            functools.partial(self.residency.touch, layer),
-            jax.ShapeDtypeStruct(counts.shape, counts.dtype),
-            counts,
-            vmap_method="sequential",
+        return super().__call__(
+            expert_inputs, counts, enable_dropout=enable_dropout, expert_index=expert_index
         )
-        return super().__call__(expert_inputs, counts, enable_dropout=enable_dropout)
 
-    def _per_token(
-        self, layer: str, tokens: jax.Array, expert_index: jax.Array, enable_dropout: bool
-    ) -> jax.Array:
-        """``tokens [N, d] → [N, d]`` through each token's own expert (``expert_index
-        int32[N]``)."""
-        cfg = self.config
-        dictionary = self._dictionary()
+    def _routed_stacks(self, expert_index: jax.Array) -> dict[str, CompressedExperts]:
+        """The routed experts, copied out of the mapping by the host (``residency.gather``)."""
         count = expert_index.shape[0]
-        stacks = {name: self._kernel(name) for name in kernel_names(cfg)}
+        stacks = {name: self._kernel(name) for name in kernel_names(self.config)}
         shapes = {
             name: tuple(
                 jax.ShapeDtypeStruct((count, *array.shape[1:]), array.dtype)
@@ -93,20 +84,14 @@ class MappedMlpExperts(CompressedMlpExperts):
             for name, stack in stacks.items()
         }
         gathered = jax.pure_callback(
-            functools.partial(self.residency.gather, layer),
+            functools.partial(self.residency.gather, self._layer()),
             shapes,
             expert_index,
             vmap_method="sequential",
         )
-
-        def multiply(name: str, x: jax.Array) -> jax.Array:
-            experts = CompressedExperts(*gathered[name], stacks[name].cols)
-            return ops.matmul(experts, x[:, None, :], dictionary)[:, 0]
-
-        x = tokens.astype(cfg.jnp_dtype)
-        hidden = hidden_units(cfg, lambda name: multiply(name, x))
-        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
-        return multiply("wo", hidden)
+        return {
+            name: CompressedExperts(*gathered[name], stack.cols) for name, stack in stacks.items()
+        }
 
 
 def mapped_experts_cls(
@@ -117,5 +102,5 @@ def mapped_experts_cls(
         MappedMlpExperts,
         dictionaries=dict(dictionaries),
         residency=residency,
-        gather_tokens=gather_tokens,
+        per_token_limit=gather_tokens,
     )

@@ -1,0 +1,120 @@
+"""The compressed expert layer's two paths through the MoE layer: tokens dispatched into the
+``[E, slots, d]`` buffer, and each token multiplied by its own expert gathered out of the stacks
+(the per-token path, taken while decoding)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import compressed_data
+
+from qmoe_jax.models import MoeLayer, SwitchConfig
+from qmoe_jax.models.compressed_experts import (
+    CompressedMlpExperts,
+    compressed_experts_cls,
+    default_per_token_limit,
+)
+from qmoe_jax.models.lora import LORA
+
+CONFIG = SwitchConfig(
+    name="compressed-experts",
+    vocab_size=32,
+    d_model=24,
+    num_heads=2,
+    d_kv=4,
+    d_ff=40,
+    num_encoder_layers=1,
+    num_decoder_layers=1,
+    num_experts=16,
+    num_encoder_sparse_layers=1,
+    num_decoder_sparse_layers=1,
+    group_size=16,
+    groups_multiple_of_experts=False,
+    eval_capacity_factor=16.0,
+    min_expert_capacity=1,
+    mlp_activations=("gelu", "linear"),
+)
+
+
+@pytest.fixture(scope="module")
+def layer_params(dictionary):
+    """Router, gated expert stacks (``wi_0``, ``wi_1``, ``wo``) and LoRA adapters of one layer."""
+    rng = np.random.default_rng(3)
+    e, d, f = CONFIG.num_experts, CONFIG.d_model, CONFIG.d_ff
+    expert = {
+        name: compressed_data.experts(rng, dictionary, e, rows, cols)[0]
+        for name, rows, cols in (("wi_0", f, d), ("wi_1", f, d), ("wo", d, f))
+    }
+    adapters = {
+        name: {
+            "a": rng.normal(0, 0.3, (e, 2, cols)).astype(np.float32),
+            "b": rng.normal(0, 0.3, (e, rows, 2)).astype(np.float32),
+        }
+        for name, rows, cols in (("wi_1", f, d), ("wo", d, f))
+    }
+    router = {"w": {"kernel": rng.normal(0, 1.0, (d, e)).astype(np.float32)}}
+    return {"router": {"router_weights": router}, "expert": expert}, adapters
+
+
+def apply(params, x, dictionary, **fields):
+    layer = MoeLayer(
+        CONFIG, functools.partial(CompressedMlpExperts, dictionaries={"": dictionary}, **fields)
+    )
+    return jax.jit(lambda p, x: layer.apply({"params": p}, x))(params, x)
+
+
+@pytest.mark.parametrize("with_adapters", [False, True])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_per_token_path_matches_dispatch(layer_params, dictionary, with_adapters, batch):
+    params, adapters = layer_params
+    if with_adapters:
+        params = {**params, "expert": {**params["expert"], LORA: adapters}}
+    x = jax.random.normal(jax.random.PRNGKey(batch), (batch, 1, CONFIG.d_model))
+    dispatched = apply(params, x, dictionary, per_token_limit=0)
+    per_token = apply(params, x, dictionary, per_token_limit=batch)
+    np.testing.assert_allclose(per_token, dispatched, rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(per_token)).min(axis=-1).max() > 0  # every token reached an expert
+
+    def loss(x, limit):
+        return jnp.sum(jnp.sin(apply(params, x, dictionary, per_token_limit=limit)))
+
+    np.testing.assert_allclose(jax.grad(loss)(x, batch), jax.grad(loss)(x, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_per_token_path_reads_each_tokens_own_expert(layer_params, dictionary):
+    """Two tokens routed to different experts: swapping the experts' codes changes both."""
+    params, _ = layer_params
+    x = jax.random.normal(jax.random.PRNGKey(7), (2, 1, CONFIG.d_model))
+    logits = np.asarray(x[:, 0]) @ params["router"]["router_weights"]["w"]["kernel"]
+    chosen = logits.argmax(-1)
+    assert chosen[0] != chosen[1]
+    before = apply(params, x, dictionary, per_token_limit=2)
+    swapped = {}
+    for name, stack in params["expert"].items():
+        order = np.arange(CONFIG.num_experts)
+        order[chosen[0]], order[chosen[1]] = chosen[1], chosen[0]
+        swapped[name] = type(stack)(
+            stack.codes[order], stack.row_offsets[order], stack.minmax[order], stack.cols
+        )
+    after = apply({**params, "expert": swapped}, x, dictionary, per_token_limit=2)
+    expected = apply({**params, "expert": swapped}, x, dictionary, per_token_limit=0)
+    np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(after[0], before[0]) and not np.allclose(after[1], before[1])
+
+
+def test_default_limit_follows_the_experts():
+    assert [default_per_token_limit(e) for e in (1, 8, 16, 64, 128, 2048)] == [1, 1, 2, 8, 16, 16]
+    layer = compressed_experts_cls({})(config=CONFIG)
+    assert layer.gather_tokens == default_per_token_limit(CONFIG.num_experts) == 2
+    assert compressed_experts_cls({})(config=CONFIG, per_token_limit=5).gather_tokens == 5
+
+
+def test_expert_mesh_keeps_dispatching(layer_params, dictionary):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    assert compressed_experts_cls({"": dictionary}, mesh)(config=CONFIG).gather_tokens == 0
+    params, _ = layer_params
+    x = jnp.ones((1, 1, CONFIG.d_model))
+    with pytest.raises(ValueError, match="sharded over a mesh"):
+        apply(params, x, dictionary, mesh=mesh, per_token_limit=1)
