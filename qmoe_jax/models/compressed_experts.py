@@ -41,15 +41,17 @@ from qmoe_jax.models.mlp import hidden_units, kernel_names
 
 
 def default_per_token_limit(num_experts: int) -> int:
-    """Tokens up to which the per-token path is the default: 1, and up to 16 while there are 8
-    experts per token or more.
+    """Tokens up to which the per-token path is the default: ``min(16, E // 16)``, so none below
+    16 experts.
 
-    A dispatched call decodes each routed expert once for all its tokens; the per-token path
-    decodes one expert per token, so tokens that share an expert decode it again. With N tokens
-    routed evenly over E experts, about (N - 1)/(2E) of the per-token path's decoding repeats;
-    at N ≤ E/8 that is under 1/16.
+    The dispatch path's buffers grow with E, and the per-token path pays a fixed cost (the
+    gathers) per call: at batch-1 decoding the per-token path took 0.93× the time per token with
+    128 experts, the same with 16 and 1.04-1.09× with 8 (docs/measurements.md, inference.py). A
+    dispatched call also decodes each routed expert once for all its tokens, where the per-token
+    path decodes one expert per token: with N tokens routed evenly over E experts about
+    (N - 1)/(2E) of its decoding repeats, under 1/32 at N ≤ E/16.
     """
-    return max(1, min(16, num_experts // 8))
+    return min(16, num_experts // 16)
 
 
 class CompressedMlpExperts(nn.Module):

@@ -105,9 +105,17 @@ def test_per_token_path_reads_each_tokens_own_expert(layer_params, dictionary):
 
 
 def test_default_limit_follows_the_experts():
-    assert [default_per_token_limit(e) for e in (1, 8, 16, 64, 128, 2048)] == [1, 1, 2, 8, 16, 16]
+    assert [default_per_token_limit(e) for e in (1, 8, 16, 64, 128, 256, 2048)] == [
+        0,
+        0,
+        1,
+        4,
+        8,
+        16,
+        16,
+    ]
     layer = compressed_experts_cls({})(config=CONFIG)
-    assert layer.gather_tokens == default_per_token_limit(CONFIG.num_experts) == 2
+    assert layer.gather_tokens == default_per_token_limit(CONFIG.num_experts) == 1
     assert compressed_experts_cls({})(config=CONFIG, per_token_limit=5).gather_tokens == 5
 
 
