@@ -19,8 +19,9 @@ Few tokens (decoding; ``default_per_token_limit``) take the MoE layer's per-toke
 expert is gathered out of the stacks (one expert's codes, row offsets and min/max per token and
 kernel; 0.25 MB at switch-base's shapes) and one kernel call multiplies the N tokens by their N
 experts. The dispatch path's ``[E, slots, d]`` and ``[E, slots, d_ff]`` buffers, which a step
-writes and reads whole even when one expert is routed, grow with E (6 MB per layer for 128 experts
-at switch-base's shapes); the gathered experts do not. Expert parallelism keeps the dispatch path.
+writes and reads whole even when one expert is routed, grow with E (about 4 MB of them per layer
+for 128 experts at switch-base's shapes); the gathered experts do not. Expert parallelism keeps the
+dispatch path.
 """
 
 from __future__ import annotations
