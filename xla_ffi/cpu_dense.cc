@@ -89,12 +89,18 @@ QMOE_DENSE_AVX2_INLINE float Sum8(__m256 v) {
 // The R rows of a tile are one contiguous block of memory, read as R short streams (a row of
 // a decoder matrix is a few cache lines), too short for the hardware prefetchers to follow. So
 // each step also prefetches the next tile's block linearly, as many bytes as the step consumes
-// (Prefetch): the whole next block is in flight by the time the tile ends.
-template <int kBytesPerStep>
+// (Prefetch): the whole next block is in flight by the time the tile ends. The bfloat16 pair
+// tiles prefetch into L2 only (kToL2), the int8 and float32 tiles into L1: each decoded fastest
+// that way (docs/dense_forms.md).
+template <int kBytesPerStep, bool kToL2 = false>
 QMOE_DENSE_AVX2_INLINE void Prefetch(const char* block, int64_t step) {
 #pragma GCC unroll 8
   for (int b = 0; b < kBytesPerStep; b += 64) {
-    _mm_prefetch(block + step * kBytesPerStep + b, _MM_HINT_T0);
+    if constexpr (kToL2) {
+      _mm_prefetch(block + step * kBytesPerStep + b, _MM_HINT_T1);
+    } else {
+      _mm_prefetch(block + step * kBytesPerStep + b, _MM_HINT_T0);
+    }
   }
 }
 
@@ -151,7 +157,7 @@ QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int6
     for (int r = 0; r < R; ++r) sums[t][r] = _mm256_setzero_ps();
   }
   for (int64_t j = 0; j < half; j += 8) {
-    Prefetch<R * 32>(next, j / 8);
+    Prefetch<R * 32, /*kToL2=*/true>(next, j / 8);
     __m256 even[T], odd[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
