@@ -127,29 +127,25 @@ class CompressedMlpExperts(nn.Module):
             )
         return routed
 
-    def _per_token(
-        self, tokens: jax.Array, expert_index: jax.Array, enable_dropout: bool
+    def _mlp(
+        self,
+        stacks: Mapping[str, CompressedExperts],
+        adapters: Mapping[str, dict],
+        x: jax.Array,
+        enable_dropout: bool,
+        matmul=ops.matmul,
+        counts: jax.Array | None = None,
     ) -> jax.Array:
-        """``tokens [N, d] → [N, d]`` through each token's own expert (``expert_index
-        int32[N]``)."""
+        """The expert MLPs ``x [S, T, d] → [S, T, d]`` over ``stacks`` of S matrices per kernel
+        (with their LoRA ``adapters``), each kernel one ``matmul`` call for all of them."""
         cfg = self.config
-        if self.mesh is not None:
-            raise ValueError(
-                "the per-token path gathers experts on one device, and this layer's experts are "
-                "sharded over a mesh: leave per_token_limit at None (or 0) with a mesh"
-            )
         dictionary = self._dictionary()
-        stacks = self._routed_stacks(expert_index)
-        adapters = self.get_variable("params", LORA) or {}
 
-        def project(name: str, x: jax.Array) -> jax.Array:
-            y = ops.matmul(stacks[name], x[:, None, :], dictionary)
-            if name in adapters:
-                routed = {part: array[expert_index] for part, array in adapters[name].items()}
-                y = y + adapter_output(routed, x[:, None, :])
-            return y[:, 0]
+        def project(name: str, inputs: jax.Array) -> jax.Array:
+            y = matmul(stacks[name], inputs, dictionary, counts)
+            return y + adapter_output(adapters[name], inputs) if name in adapters else y
 
-        x = tokens.astype(cfg.jnp_dtype)
+        x = x.astype(cfg.jnp_dtype)
         hidden = hidden_units(cfg, lambda name: project(name, x))
         hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
         return project("wo", hidden)
@@ -163,21 +159,25 @@ class CompressedMlpExperts(nn.Module):
         enable_dropout: bool = False,
         expert_index: jax.Array | None = None,
     ) -> jax.Array:
-        if expert_index is not None:
-            return self._per_token(expert_inputs, expert_index.astype(jnp.int32), enable_dropout)
-        cfg = self.config
-        dictionary = self._dictionary()
-        matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
         adapters = self.get_variable("params", LORA) or {}
-
-        def project(name: str, inputs: jax.Array) -> jax.Array:
-            y = matmul(self._kernel(name), inputs, dictionary, counts)
-            return y + adapter_output(adapters[name], inputs) if name in adapters else y
-
-        x = expert_inputs.astype(cfg.jnp_dtype)
-        hidden = hidden_units(cfg, lambda name: project(name, x))
-        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
-        return project("wo", hidden)
+        if expert_index is None:
+            stacks = {name: self._kernel(name) for name in kernel_names(self.config)}
+            matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
+            return self._mlp(stacks, adapters, expert_inputs, enable_dropout, matmul, counts)
+        # The per-token path: tokens [N, d] through each token's own expert (expert_index
+        # int32[N]), as N stacks of one token each.
+        if self.mesh is not None:
+            raise ValueError(
+                "the per-token path gathers experts on one device, and this layer's experts are "
+                "sharded over a mesh: leave per_token_limit at None (or 0) with a mesh"
+            )
+        expert_index = expert_index.astype(jnp.int32)
+        routed_adapters = {
+            name: {part: array[expert_index] for part, array in adapter.items()}
+            for name, adapter in adapters.items()
+        }
+        stacks = self._routed_stacks(expert_index)
+        return self._mlp(stacks, routed_adapters, expert_inputs[:, None, :], enable_dropout)[:, 0]
 
 
 def compressed_experts_cls(
