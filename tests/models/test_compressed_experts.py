@@ -2,6 +2,7 @@
 ``[E, slots, d]`` buffer, and each token multiplied by its own expert gathered out of the stacks
 (the per-token path, taken while decoding)."""
 
+import dataclasses
 import functools
 
 import jax
@@ -9,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import compressed_data
+from helpers.tiny_model import TINY
 
-from qmoe_jax.models import MoeLayer, SwitchConfig
+from qmoe_jax.models import MoeLayer
 from qmoe_jax.models.compressed_experts import (
     CompressedMlpExperts,
     compressed_experts_cls,
@@ -18,22 +20,17 @@ from qmoe_jax.models.compressed_experts import (
 )
 from qmoe_jax.models.lora import LORA
 
-CONFIG = SwitchConfig(
+# The tiny model's config with 16 experts, a gated MLP, and capacity for every token (only the
+# MoE layer runs here).
+CONFIG = dataclasses.replace(
+    TINY,
     name="compressed-experts",
-    vocab_size=32,
     d_model=24,
-    num_heads=2,
-    d_kv=4,
     d_ff=40,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
     num_experts=16,
-    num_encoder_sparse_layers=1,
-    num_decoder_sparse_layers=1,
     group_size=16,
     groups_multiple_of_experts=False,
     eval_capacity_factor=16.0,
-    min_expert_capacity=1,
     mlp_activations=("gelu", "linear"),
 )
 
