@@ -161,7 +161,7 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
         if config.is_sparse_layer(i, decoder=stack == "decoder")
     ]
     for number, name in enumerate(sparse, 1):
-        arrays = {}
+        arrays, kernels = {}, {}
         for kernel in kernel_names(config):
             rows, cols = (
                 (config.d_model, config.d_ff) if kernel == "wo" else (config.d_ff, config.d_model)
@@ -172,8 +172,16 @@ def write_synthetic_checkpoint(directory: str, experts: int, seed: int = 0) -> N
             scale = rng.random((experts, rows, 1), dtype=np.float32) * 0.1
             minmax = np.concatenate([-scale, scale], axis=-1).astype(ml_dtypes.bfloat16)
             arrays[kernel] = ternary_arrays([encode_experts(codes, minmax, dictionary)])
+            codewords = int(arrays[kernel]["row_offsets"][:, -1].astype(np.int64).sum())
+            kernels[kernel] = {  # the stats docs/format.md §8.5 asks of every kernel
+                "rows": rows,
+                "cols": cols,
+                "zero_fraction": float(np.mean(codes == 0)),
+                "codewords": codewords,
+                "bits_per_weight": (16.0 * codewords + 64.0 * rows * experts) / codes.size,
+            }
             del codes
-        writer.write_layer(name, arrays, {"dictionary": fingerprint})
+        writer.write_layer(name, arrays, {"dictionary": fingerprint, "kernels": kernels})
         print(
             f"  synthetic {config.name}: {number}/{len(sparse)} sparse layers written", flush=True
         )

@@ -18,6 +18,20 @@ unchanged; the expert products run under ``jax.shard_map`` over the mesh axes
 of the logical ``expert`` and ``expert_replicas`` axes when the mesh has more
 than one device along them, so that each device decodes only its own experts.
 
+Only the capacity slots in use are computed. flaxformer's dispatch leaves an
+empty slot all zero; the layer moves each expert's nonzero rows to the front
+(a stable sort, per block of rows that one device holds) and passes their
+number to the kernels as ``counts``, which skip the rest, and an expert with
+no token is not decoded at all. Without this a decoding step, whose one token
+per sequence fills at most a few of the E × capacity slots, would decode all
+E experts. The MLP maps a zero row to zero (every activation here has
+``act(0) = 0``, or one factor of a gated product has), so a routed token whose
+input is exactly zero gets the same output skipped; with an activation where
+that fails, every slot is computed. The outputs agree with every slot's up to
+float32 rounding: the kernels add a lone token's products in another order
+than a block of tokens'. ``skip_empty_slots=False`` computes every
+slot too (benchmarks/t5x_decode.py compares the two).
+
 The layer needs each sparse layer's code shapes when T5X initializes the model
 (abstractly, before the checkpoint is read): it reads them, and the layer's
 dictionary, from ``checkpoint`` (the gin macro ``QMOE_CHECKPOINT``) through
@@ -133,9 +147,12 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
     Attributes (besides ``MoeLayer``'s):
       checkpoint: where the layout of the codes is read (``QMOE_CHECKPOINT``): a
         compressed directory or a T5X checkpoint of a compressed model.
+      skip_empty_slots: compute only the capacity slots a token fills (the module's
+        docstring); False computes every slot.
     """
 
     checkpoint: str = ""
+    skip_empty_slots: bool = True
 
     def _layer_layout(self, hidden: int) -> LayerLayout:
         if not self.checkpoint:
@@ -272,10 +289,13 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         if self.is_initializing():
             # Initialization only declares the variables; zero codes are not valid code streams.
             return jnp.zeros_like(x)
-        matmul = self._expert_matmul()
+        matmul, blocks = self._expert_matmul()
+        counts = order = None
+        if self.skip_empty_slots and _maps_zero_to_zero(expert.activations):
+            x, counts, order = _rows_in_use_first(x, blocks)
 
         def project(kernel: str, tokens: jax.Array) -> jax.Array:
-            return matmul(weights[kernel], tokens, dictionary)
+            return matmul(weights[kernel], tokens, dictionary, counts)
 
         names = (
             ["wi"]
@@ -291,15 +311,19 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             hidden, deterministic=not enable_dropout
         )
         out = project("wo", hidden)
-        return nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
+        out = nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
             out, deterministic=not enable_dropout
         )
+        return out if order is None else _rows_in_place(out, order)
 
     def _expert_matmul(self):
-        """``ops.matmul``, expert-local under ``jax.shard_map`` when the experts are sharded."""
+        """``(matmul, blocks)``: ``matmul(w, x, dictionary, counts)`` is ``ops.matmul``,
+        expert-local under ``jax.shard_map`` when the experts are sharded, with ``counts``
+        ``int32[E, blocks]`` counting the rows in use of each expert's ``blocks`` blocks of rows
+        (one per device along the ``expert_replicas`` axis) or None."""
         mesh = _context_mesh()
         if mesh is None:
-            return ops.matmul
+            return _local_matmul, 1
         spec = flax_partitioning.logical_to_mesh_axes(("expert", "expert_replicas", "unmodeled"))
         experts_axis, replicas_axis = (spec[0], spec[1]) if spec is not None else (None, None)
 
@@ -308,7 +332,7 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             return math.prod(mesh.shape[n] for n in names)
 
         if size(experts_axis) * size(replicas_axis) == 1:
-            return ops.matmul
+            return _local_matmul, 1
         logging.info(
             "qmoe_jax: compressed experts of %s run expert-locally over mesh axes %s (%d devices) "
             "and %s (%d devices)",
@@ -321,17 +345,59 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         weights_spec = jax.sharding.PartitionSpec(experts_axis)
         tokens_spec = jax.sharding.PartitionSpec(experts_axis, replicas_axis)
 
-        def sharded(w: CompressedExperts, x: jax.Array, dictionary) -> jax.Array:
+        def sharded(w: CompressedExperts, x: jax.Array, dictionary, counts) -> jax.Array:
             # check_vma=False: FFI results carry no varying-axes type (as ops.expert_parallel).
+            arrays = (w, x) if counts is None else (w, x, counts)
+            specs = (weights_spec, tokens_spec, tokens_spec)[: len(arrays)]
             return jax.shard_map(
-                lambda w, x: ops.matmul(w, x, dictionary),
+                lambda w, x, *counts: _local_matmul(w, x, dictionary, *counts),
                 mesh=mesh,
-                in_specs=(weights_spec, tokens_spec),
+                in_specs=specs,
                 out_specs=tokens_spec,
                 check_vma=False,
-            )(w, x)
+            )(*arrays)
 
-        return sharded
+        return sharded, size(replicas_axis)
+
+
+def _local_matmul(w: CompressedExperts, x: jax.Array, dictionary, counts=None) -> jax.Array:
+    """``ops.matmul`` with ``counts int32[E, 1]`` (one block of rows per expert) or None."""
+    return ops.matmul(w, x, dictionary, None if counts is None else counts.reshape(-1))
+
+
+def _maps_zero_to_zero(activations) -> bool:
+    """Whether the expert MLP gives zero for a zero input row: the product of its activations
+    at 0 is 0 (the kernels and ``wo`` carry no bias)."""
+    with jax.ensure_compile_time_eval():
+        at_zero = functools.reduce(
+            operator.mul,
+            [float(_activation(act)(jnp.zeros((), jnp.float32))) for act in activations],
+        )
+    return at_zero == 0.0
+
+
+def _rows_in_use_first(x: jax.Array, blocks: int):
+    """``x [E, T, H]`` with each block of T // blocks rows reordered so that its nonzero rows
+    come first, in their order; ``counts int32[E, blocks]``, the nonzero rows per block; and
+    the order, for ``_rows_in_place``."""
+    experts, tokens, *hidden = x.shape
+    grouped = x.reshape(experts, blocks, tokens // blocks, *hidden)
+    in_use = jnp.any(grouped != 0, axis=tuple(range(3, grouped.ndim)))
+    order = jnp.argsort(~in_use, axis=-1, stable=True)
+    counts = jnp.sum(in_use, axis=-1, dtype=jnp.int32)
+    index = order.reshape(*order.shape, *(1,) * len(hidden))
+    packed = jnp.take_along_axis(grouped, index, axis=2)
+    return packed.reshape(x.shape), counts, order
+
+
+def _rows_in_place(y: jax.Array, order: jax.Array) -> jax.Array:
+    """Undoes ``_rows_in_use_first``'s reordering of the rows of ``y [E, T, ...]``."""
+    experts, tokens, *rest = y.shape
+    blocks = order.shape[1]
+    inverse = jnp.argsort(order, axis=-1)
+    index = inverse.reshape(*inverse.shape, *(1,) * len(rest))
+    grouped = y.reshape(experts, blocks, tokens // blocks, *rest)
+    return jnp.take_along_axis(grouped, index, axis=2).reshape(y.shape)
 
 
 def compressed_moe_layer(layer: moe_layers.MoeLayer, checkpoint: str) -> CompressedMoeLayer:

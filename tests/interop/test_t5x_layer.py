@@ -161,6 +161,86 @@ def gradients(layer, variables, x, enable_dropout):
     return jax.grad(f, argnums=(0, 1))(x, flat[ROUTER])
 
 
+def with_minmax(variables, experts, value):
+    """``variables`` with the min/max of ``experts`` (every kernel) set to ``value``."""
+    flat = traverse_util.flatten_dict(variables[COLLECTION])
+    for key, array in flat.items():
+        if key[-1] == "minmax":
+            flat[key] = jnp.asarray(array).at[jnp.asarray(experts)].set(value)
+    return {**variables, COLLECTION: traverse_util.unflatten_dict(flat)}
+
+
+def test_a_decoding_step_decodes_only_the_experts_its_tokens_chose(compressed_tiny):
+    """A decoding step ([batch, 1, d]) fills a few of the E × capacity slots. The experts no
+    token chose get NaN scales: computing every slot spreads the NaNs into every output (an
+    empty slot's 0 × NaN reaches the combine), computing only the slots in use gives
+    flaxformer's output on the intact experts."""
+    _, directory, _ = compressed_tiny
+    dense_vars, compressed_vars, config = layer_variables(directory)
+    stock = flaxformer_layer(config)
+    ours = compressed_moe_layer(stock, directory)
+    every_slot = dataclasses.replace(ours, skip_empty_slots=False)
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 1, config.d_model), jnp.float32)
+    router = traverse_util.flatten_dict(compressed_vars["params"])[ROUTER]
+    chosen = set(np.argmax(np.asarray(x.reshape(-1, config.d_model) @ router), axis=-1).tolist())
+    idle = [e for e in range(config.num_experts) if e not in chosen]
+    assert idle, "every expert was chosen; pick another input"
+
+    want = at_sparse_layer(stock).apply(dense_vars, x)
+    got = at_sparse_layer(ours).apply(compressed_vars, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # One token takes the kernels' one-token loop, a full slot block their blocked one: the sums
+    # round differently.
+    np.testing.assert_allclose(
+        at_sparse_layer(every_slot).apply(compressed_vars, x), got, rtol=1e-5, atol=1e-6
+    )
+
+    broken = with_minmax(compressed_vars, idle, jnp.nan)
+    np.testing.assert_array_equal(at_sparse_layer(ours).apply(broken, x), got)
+    assert np.isnan(at_sparse_layer(every_slot).apply(broken, x)).all()
+
+
+def test_skipping_empty_slots_keeps_outputs_and_gradients(compressed_tiny):
+    """Scoring shapes, where tokens drop and slots are mostly full: the same numbers either way, up
+    to the rounding of the kernels' sums over other blocks of tokens."""
+    _, directory, _ = compressed_tiny
+    _, compressed_vars, config = layer_variables(directory)
+    config = dataclasses.replace(config, eval_capacity_factor=1.5, min_expert_capacity=1)
+    ours = compressed_moe_layer(flaxformer_layer(config), directory)
+    every_slot = dataclasses.replace(ours, skip_empty_slots=False)
+    x = jax.random.normal(jax.random.PRNGKey(6), (4, 24, config.d_model), jnp.float32)
+    x = x.at[1, 5:].set(0.0)  # padding: zero rows are skipped wherever they land
+    for a, b in zip(
+        gradients(ours, compressed_vars, x, False), gradients(every_slot, compressed_vars, x, False)
+    ):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        at_sparse_layer(ours).apply(compressed_vars, x),
+        at_sparse_layer(every_slot).apply(compressed_vars, x),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_rows_in_use_move_first_per_block_and_back():
+    from qmoe_jax.interop.t5x_moe import _maps_zero_to_zero, _rows_in_place, _rows_in_use_first
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 8, 5)).astype(np.float32)
+    x[rng.random((3, 8)) < 0.5] = 0.0
+    packed, counts, order = _rows_in_use_first(jnp.asarray(x), blocks=2)
+    for e in range(3):
+        for b in range(2):
+            block = x[e, 4 * b : 4 * b + 4]
+            kept = block[np.any(block != 0, axis=-1)]
+            assert counts[e, b] == len(kept)
+            np.testing.assert_array_equal(packed[e, 4 * b : 4 * b + len(kept)], kept)
+            assert not np.any(packed[e, 4 * b + len(kept) : 4 * b + 4])
+    np.testing.assert_array_equal(_rows_in_place(packed, order), x)
+    assert _maps_zero_to_zero(("relu",)) and _maps_zero_to_zero(("gelu", "linear"))
+    assert _maps_zero_to_zero(("sigmoid", "linear")) and not _maps_zero_to_zero(("sigmoid",))
+
+
 def test_compressed_layer_declares_codes_in_their_own_collection_with_expert_axes(compressed_tiny):
     _, directory, _ = compressed_tiny
     layout = read_layout(directory)
