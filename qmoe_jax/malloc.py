@@ -20,7 +20,8 @@ set when freed (benchmarks/streaming.py; docs/measurements.md).
 
 **Free memory** (``release_free_memory``): ``malloc_trim(0)`` after a step that freed much of
 what it allocated (opening a model for inference; each expert group the compressor finishes), so
-the freed heap leaves the resident set.
+the freed heap leaves the resident set; and, once a model is open for inference, after each XLA
+compilation (``release_free_memory_after_compiles``).
 
 **Huge pages** (``reexec_with_huge_pages``): XLA:CPU allocates a program's
 buffers afresh on every call, and the big ones are big: a switch-base wo
@@ -124,6 +125,34 @@ def release_free_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass  # not glibc: nothing to release
+
+
+# The event jax records when XLA has compiled a program, before it first runs (jax._src.dispatch,
+# BACKEND_COMPILE_EVENT; the same name from jax 0.4.14 through 0.10).
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_released_after_compiles = False
+
+
+def _release_after_compile(event: str, duration: float, **_) -> None:
+    if event == COMPILE_EVENT:
+        release_free_memory()
+
+
+def release_free_memory_after_compiles() -> None:
+    """From now on, returns the heap's free memory to the system right after XLA compiles a program,
+    before the program first runs (a jax monitoring listener; registered once per process).
+
+    Compiling a decoding program allocates and frees hundreds of megabytes that glibc keeps; the
+    program's own buffers, allocated when it runs, then come on top of them. Opening a model for
+    inference (``inference.loading.open_model``) calls this.
+    """
+    global _released_after_compiles
+    if _released_after_compiles:
+        return
+    import jax.monitoring
+
+    jax.monitoring.register_event_duration_secs_listener(_release_after_compile)
+    _released_after_compiles = True
 
 
 def thp_mode(path: str = THP_MODE_FILE) -> str | None:

@@ -36,7 +36,7 @@ from qmoe_jax.inference.mapped_params import (
 )
 from qmoe_jax.inference.model_directory import refuse_non_model
 from qmoe_jax.interop.t5x_layout import has_sidecar
-from qmoe_jax.malloc import release_free_memory
+from qmoe_jax.malloc import release_free_memory, release_free_memory_after_compiles
 from qmoe_jax.models import SwitchConfig, SwitchTransformer, config_names, get_config, param_shapes
 
 
@@ -173,12 +173,15 @@ def open_model(
         ``dtype``), "bfloat16" or "int8" (``inference.dense_forms``).
 
     The memory the loading freed (restored checkpoint arrays, their conversions) is returned to
-    the system before the model is returned (``malloc.release_free_memory``).
+    the system before the model is returned (``malloc.release_free_memory``), and from then on
+    the memory each XLA compilation frees, before the compiled program first runs
+    (``malloc.release_free_memory_after_compiles``).
     """
     opened = _open_model(
         path, config, experts, dtype, expert_parallel, verify, expert_cache_gb, dense_dtype
     )
     release_free_memory()
+    release_free_memory_after_compiles()
     return opened
 
 

@@ -148,6 +148,31 @@ def test_release_free_memory_returns_the_freed_heap():
     assert freed - released >= 100, (freed, released)  # of the ~190 MiB freed
 
 
+AFTER_COMPILES_CHILD = """
+import jax, jax.numpy as jnp, numpy as np
+from qmoe_jax import malloc
+
+calls = []
+malloc.release_free_memory = lambda: calls.append(1)
+f = jax.jit(lambda x: jnp.sin(x) * 2)
+f(np.ones(3, np.float32)).block_until_ready()
+before = len(calls)
+malloc.release_free_memory_after_compiles()
+malloc.release_free_memory_after_compiles()  # registers once
+f(np.ones(3, np.float32)).block_until_ready()  # cached: no compilation
+cached = len(calls)
+f(np.ones(4, np.float32)).block_until_ready()  # a new shape compiles
+jax.jit(lambda x: x + 1)(np.ones(2, np.float32)).block_until_ready()
+print(before, cached, len(calls))
+"""
+
+
+def test_free_memory_is_released_after_each_compilation_once_asked():
+    completed = run_python(["-c", AFTER_COMPILES_CHILD], timeout=120)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.split() == ["0", "0", "2"], completed.stdout
+
+
 @pytest.mark.parametrize(
     ("value", "expected"),
     [(None, 1 << 20), ("", 1 << 20), ("0", 0), ("4194304", 4 << 20), (str(32 << 20), 32 << 20)],
