@@ -20,17 +20,20 @@ than one device along them, so that each device decodes only its own experts.
 
 Only the capacity slots in use are computed. flaxformer's dispatch leaves an
 empty slot all zero; the layer moves each expert's nonzero rows to the front
-(a stable sort, per block of rows that one device holds) and passes their
-number to the kernels as ``counts``, which skip the rest, and an expert with
-no token is not decoded at all. Without this a decoding step, whose one token
-per sequence fills at most a few of the E × capacity slots, would decode all
-E experts. The MLP maps a zero row to zero (every activation here has
-``act(0) = 0``, or one factor of a gated product has), so a routed token whose
-input is exactly zero gets the same output skipped; with an activation where
-that fails, every slot is computed. The outputs agree with every slot's up to
-float32 rounding: the kernels add a lone token's products in another order
-than a block of tokens'. ``skip_empty_slots=False`` computes every
-slot too (benchmarks/t5x_decode.py compares the two).
+(a stable sort, per block of rows that one device holds), runs the MLP on the
+first ``size`` rows of each block, where ``size`` is the smallest of a few
+compiled sizes (the rows per block, then quarters of it down to 1;
+``lax.switch``) that holds the largest count, and passes the counts to the
+kernels, which skip the rows past them; an expert with no token is not
+decoded at all. Without this a decoding step, whose one token per sequence
+fills at most a few of the E × 4E slots flaxformer gives it, would decode all
+E experts over 4E rows each. The MLP maps a zero row to zero (every
+activation here has ``act(0) = 0``, or one factor of a gated product has), so
+a routed token whose input is exactly zero gets the same output skipped; with
+an activation where that fails, every slot is computed. The outputs agree
+with every slot's up to float32 rounding: the kernels add a lone token's
+products in another order than a block of tokens'. ``skip_empty_slots=False``
+computes every slot too (benchmarks/t5x_decode.py compares the two).
 
 The layer needs each sparse layer's code shapes when T5X initializes the model
 (abstractly, before the checkpoint is read): it reads them, and the layer's
@@ -290,31 +293,44 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             # Initialization only declares the variables; zero codes are not valid code streams.
             return jnp.zeros_like(x)
         matmul, blocks = self._expert_matmul()
-        counts = order = None
-        if self.skip_empty_slots and _maps_zero_to_zero(expert.activations):
-            x, counts, order = _rows_in_use_first(x, blocks)
-
-        def project(kernel: str, tokens: jax.Array) -> jax.Array:
-            return matmul(weights[kernel], tokens, dictionary, counts)
-
         names = (
             ["wi"]
             if len(expert.activations) == 1
             else [f"wi_{i}" for i in range(len(expert.activations))]
         )
-        hidden = functools.reduce(
-            operator.mul,
-            [_activation(act)(project(name, x)) for name, act in zip(names, expert.activations)],
+        # MlpBlock's dropouts: each expert's mask is broadcast along its tokens. The intermediate
+        # one is drawn here, on ones of the mask's shape (the same random bits as on the hidden
+        # activations), so that the MLP below holds no module call and can run in lax.switch.
+        keep = 1.0 - expert.intermediate_dropout_rate
+        kept = nn.Dropout(rate=expert.intermediate_dropout_rate, broadcast_dims=(-2,))(
+            jnp.ones((x.shape[0], 1, expert.intermediate_dim), x.dtype),
+            deterministic=not enable_dropout,
         )
-        # MlpBlock's dropouts: each expert's mask is broadcast along its tokens.
-        hidden = nn.Dropout(rate=expert.intermediate_dropout_rate, broadcast_dims=(-2,))(
-            hidden, deterministic=not enable_dropout
-        )
-        out = project("wo", hidden)
-        out = nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
+        if not enable_dropout or expert.intermediate_dropout_rate == 0.0:
+            kept = None  # the ones unchanged
+
+        def mlp(tokens: jax.Array, counts: jax.Array | None) -> jax.Array:
+            def project(kernel: str, rows: jax.Array) -> jax.Array:
+                return matmul(weights[kernel], rows, dictionary, counts)
+
+            hidden = functools.reduce(
+                operator.mul,
+                [
+                    _activation(act)(project(name, tokens))
+                    for name, act in zip(names, expert.activations)
+                ],
+            )
+            if kept is not None:  # as nn.Dropout: kept entries divided by keep, the others 0
+                hidden = jnp.where(kept != 0, hidden / keep, jnp.zeros_like(hidden))
+            return project("wo", hidden)
+
+        if self.skip_empty_slots and _maps_zero_to_zero(expert.activations):
+            out = _on_rows_in_use(mlp, x, blocks)
+        else:
+            out = mlp(x, None)
+        return nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
             out, deterministic=not enable_dropout
         )
-        return out if order is None else _rows_in_place(out, order)
 
     def _expert_matmul(self):
         """``(matmul, blocks)``: ``matmul(w, x, dictionary, counts)`` is ``ops.matmul``,
@@ -376,28 +392,48 @@ def _maps_zero_to_zero(activations) -> bool:
     return at_zero == 0.0
 
 
-def _rows_in_use_first(x: jax.Array, blocks: int):
-    """``x [E, T, H]`` with each block of T // blocks rows reordered so that its nonzero rows
-    come first, in their order; ``counts int32[E, blocks]``, the nonzero rows per block; and
-    the order, for ``_rows_in_place``."""
+def row_buckets(rows: int) -> list[int]:
+    """The row counts ``_on_rows_in_use`` compiles the MLP for, ascending: ``rows`` and each
+    quarter of the last, rounded up, down to 1."""
+    sizes = [rows]
+    while sizes[-1] > 1:
+        sizes.append(-(-sizes[-1] // 4))
+    return sorted(set(sizes))
+
+
+def _on_rows_in_use(mlp, x: jax.Array, blocks: int) -> jax.Array:
+    """``mlp`` (``[E, N, H], counts int32[E, blocks] → [E, N, H']``, rows past each block's count
+    unread and zero) applied to the nonzero rows of ``x [E, T, H]`` only; zero rows give zero.
+
+    Each of the ``blocks`` blocks of T // blocks rows (one per device along the replicas axis)
+    has its nonzero rows moved first, in order; the MLP then runs on the first ``size`` rows of
+    every block, ``size`` the smallest of ``row_buckets`` that holds the largest count (one
+    branch of ``lax.switch`` per bucket), and its outputs go back to the rows they came from.
+    """
     experts, tokens, *hidden = x.shape
-    grouped = x.reshape(experts, blocks, tokens // blocks, *hidden)
+    per_block = tokens // blocks
+    grouped = x.reshape(experts, blocks, per_block, *hidden)
     in_use = jnp.any(grouped != 0, axis=tuple(range(3, grouped.ndim)))
     order = jnp.argsort(~in_use, axis=-1, stable=True)
     counts = jnp.sum(in_use, axis=-1, dtype=jnp.int32)
-    index = order.reshape(*order.shape, *(1,) * len(hidden))
-    packed = jnp.take_along_axis(grouped, index, axis=2)
-    return packed.reshape(x.shape), counts, order
+    sizes = row_buckets(per_block)
+    expert_index = jnp.arange(experts)[:, None, None]
+    block_index = jnp.arange(blocks)[None, :, None]
 
+    def branch(size: int):
+        def run(grouped, order, counts):
+            index = order[..., :size]
+            rows = grouped[expert_index, block_index, index]
+            out = mlp(rows.reshape(experts, blocks * size, *hidden), counts)
+            out = out.reshape(experts, blocks, size, *out.shape[2:])
+            placed = jnp.zeros((experts, blocks, per_block, *out.shape[3:]), out.dtype)
+            placed = placed.at[expert_index, block_index, index].set(out)
+            return placed.reshape(experts, tokens, *out.shape[3:])
 
-def _rows_in_place(y: jax.Array, order: jax.Array) -> jax.Array:
-    """Undoes ``_rows_in_use_first``'s reordering of the rows of ``y [E, T, ...]``."""
-    experts, tokens, *rest = y.shape
-    blocks = order.shape[1]
-    inverse = jnp.argsort(order, axis=-1)
-    index = inverse.reshape(*inverse.shape, *(1,) * len(rest))
-    grouped = y.reshape(experts, blocks, tokens // blocks, *rest)
-    return jnp.take_along_axis(grouped, index, axis=2).reshape(y.shape)
+        return run
+
+    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.max(counts))
+    return jax.lax.switch(which, [branch(size) for size in sizes], grouped, order, counts)
 
 
 def compressed_moe_layer(layer: moe_layers.MoeLayer, checkpoint: str) -> CompressedMoeLayer:

@@ -222,21 +222,31 @@ def test_skipping_empty_slots_keeps_outputs_and_gradients(compressed_tiny):
     )
 
 
-def test_rows_in_use_move_first_per_block_and_back():
-    from qmoe_jax.interop.t5x_moe import _maps_zero_to_zero, _rows_in_place, _rows_in_use_first
+def test_the_mlp_runs_on_the_rows_in_use_of_the_smallest_bucket_that_holds_them():
+    from qmoe_jax.interop.t5x_moe import _maps_zero_to_zero, _on_rows_in_use, row_buckets
+
+    assert row_buckets(512) == [1, 2, 8, 32, 128, 512]
+    assert row_buckets(6) == [1, 2, 6] and row_buckets(1) == [1]
+
+    def mlp(tokens, counts):
+        # Rows within their block's count times the rows per block the MLP was given (the
+        # bucket), the others zero: in-use rows that did not come first would be lost.
+        per_block = tokens.shape[1] // 2
+        position = jnp.arange(tokens.shape[1]) % per_block
+        block = jnp.arange(tokens.shape[1]) // per_block
+        used = position[None, :] < counts[:, block]
+        return jnp.where(used[..., None], tokens * per_block, 0.0)
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(3, 8, 5)).astype(np.float32)
-    x[rng.random((3, 8)) < 0.5] = 0.0
-    packed, counts, order = _rows_in_use_first(jnp.asarray(x), blocks=2)
-    for e in range(3):
-        for b in range(2):
-            block = x[e, 4 * b : 4 * b + 4]
-            kept = block[np.any(block != 0, axis=-1)]
-            assert counts[e, b] == len(kept)
-            np.testing.assert_array_equal(packed[e, 4 * b : 4 * b + len(kept)], kept)
-            assert not np.any(packed[e, 4 * b + len(kept) : 4 * b + 4])
-    np.testing.assert_array_equal(_rows_in_place(packed, order), x)
+    for most, bucket in [(0, 1), (1, 1), (2, 4), (5, 16), (9, 16)]:
+        x = np.zeros((3, 32, 5), np.float32)  # 2 blocks of 16 rows: buckets 1, 4, 16
+        for e in range(3):
+            for b in range(2):
+                count = most if (e, b) == (1, 1) else min(most, 1)
+                rows = rng.choice(16, count, replace=False)
+                x[e, 16 * b + rows] = rng.normal(size=(count, 5))
+        got = _on_rows_in_use(mlp, jnp.asarray(x), blocks=2)
+        np.testing.assert_allclose(got, x * bucket, err_msg=f"largest count {most}")
     assert _maps_zero_to_zero(("relu",)) and _maps_zero_to_zero(("gelu", "linear"))
     assert _maps_zero_to_zero(("sigmoid", "linear")) and not _maps_zero_to_zero(("sigmoid",))
 
