@@ -127,8 +127,8 @@ def release_free_memory() -> None:
         pass  # not glibc: nothing to release
 
 
-# The event jax records when XLA has compiled a program, before it first runs (jax._src.dispatch,
-# BACKEND_COMPILE_EVENT; the same name from jax 0.4.14 through 0.10).
+# The event jax records when XLA has compiled a program, before it first runs (jax 0.10's
+# jax._src.dispatch.BACKEND_COMPILE_EVENT; tests/commands/test_malloc.py fails if it moves).
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _released_after_compiles = False
 
