@@ -64,6 +64,11 @@ def build(path: str):
     if name not in checkpoint.layer_names():
         raise SystemExit(f"{path} has no sparse layer {name}")
     arrays, stats = checkpoint.layer(name)
+    if "kernels" not in stats:
+        raise SystemExit(
+            f"{path} was written by an older benchmarks/inference.py without the kernel stats "
+            "that T5X's layer reads (docs/format.md §8.5); delete it and run again to rewrite it"
+        )
     dictionary = checkpoint.dictionary(stats["dictionary"])
     dense_params = traverse_util.flatten_dict(checkpoint.dense_params())
     router = {k[4:]: v for k, v in dense_params.items() if k[:4] == (*LAYER, "router")}
