@@ -222,6 +222,52 @@ def test_skipping_empty_slots_keeps_outputs_and_gradients(compressed_tiny):
     )
 
 
+class EverySlotWithModuleDropout(CompressedMoeLayer):
+    """The reference for dropout: relu experts over every slot, with ``nn.Dropout`` applied to the
+    hidden activations themselves (as flaxformer's MlpBlock does)."""
+
+    def _compressed_experts(self, x, enable_dropout):
+        from qmoe_jax.interop.t5x_moe import CompressedKernelVariables
+        from qmoe_jax.kernels import ops
+
+        layer = self._layer_layout(x.shape[-1])
+        dictionary = read_layout(self.checkpoint).dictionary(layer.dictionary)
+        w = {k: CompressedKernelVariables(s, layer.num_experts, name=k)() for k, s in layer.kernels}
+        hidden = nn.relu(ops.matmul(w["wi"], x, dictionary))
+        hidden = nn.Dropout(self.expert.intermediate_dropout_rate, broadcast_dims=(-2,))(
+            hidden, deterministic=not enable_dropout
+        )
+        out = ops.matmul(w["wo"], hidden, dictionary)
+        return nn.Dropout(self.expert.final_dropout_rate, broadcast_dims=(-2,))(
+            out, deterministic=not enable_dropout
+        )
+
+
+def test_dropout_masks_are_the_hidden_activations_own(compressed_tiny):
+    """The intermediate dropout mask, drawn on ones outside the bucketed MLP, drops and scales
+    what nn.Dropout on the hidden activations would, with the same random bits."""
+    _, directory, _ = compressed_tiny
+    _, compressed_vars, config = layer_variables(directory)
+    stock = flaxformer_layer(config)
+    stock = dataclasses.replace(
+        stock,
+        expert=dataclasses.replace(
+            stock.expert, intermediate_dropout_rate=0.5, final_dropout_rate=0.1
+        ),
+    )
+    ours = compressed_moe_layer(stock, directory)
+    fields = {f.name: getattr(ours, f.name) for f in dataclasses.fields(ours) if f.init}
+    fields = {k: v for k, v in fields.items() if k not in ("parent", "name")}
+    reference = EverySlotWithModuleDropout(**fields)
+    x = jax.random.normal(jax.random.PRNGKey(7), (4, 12, config.d_model), jnp.float32)
+    rngs = {"dropout": jax.random.PRNGKey(1)}
+    got = at_sparse_layer(ours).apply(compressed_vars, x, True, rngs=rngs)
+    want = at_sparse_layer(reference).apply(compressed_vars, x, True, rngs=rngs)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    undropped = at_sparse_layer(ours).apply(compressed_vars, x, False)
+    assert np.abs(np.asarray(got) - np.asarray(undropped)).max() > 1e-3  # dropout acted
+
+
 def test_the_mlp_runs_on_the_rows_in_use_of_the_smallest_bucket_that_holds_them():
     from qmoe_jax.interop.t5x_moe import _maps_zero_to_zero, _on_rows_in_use, row_buckets
 
