@@ -48,13 +48,11 @@ def build(path: str):
     import jax
     import jax.numpy as jnp
     from flax import traverse_util
-    from flaxformer.architectures.moe import moe_layers, routing
-    from flaxformer.components import dense
 
     from qmoe_jax.checkpoints.format_v1 import CompressedCheckpoint
     from qmoe_jax.inference.compressed_params import dequantized_kernel
     from qmoe_jax.interop.t5x_layout import COLLECTION
-    from qmoe_jax.interop.t5x_moe import compressed_moe_layer
+    from qmoe_jax.interop.t5x_moe import compressed_moe_layer, switch_moe_layer
     from qmoe_jax.models import SwitchConfig
     from qmoe_jax.quant import GridConfig
 
@@ -71,35 +69,9 @@ def build(path: str):
         )
     dictionary = checkpoint.dictionary(stats["dictionary"])
     dense_params = traverse_util.flatten_dict(checkpoint.dense_params())
-    router = {k[4:]: v for k, v in dense_params.items() if k[:4] == (*LAYER, "router")}
+    router = {k[3:]: jnp.asarray(v) for k, v in dense_params.items() if k[:4] == (*LAYER, "router")}
 
-    stock = moe_layers.MoeLayer(
-        num_experts=config.num_experts,
-        max_group_size=config.group_size,
-        train_capacity_factor=config.train_capacity_factor,
-        eval_capacity_factor=config.eval_capacity_factor,
-        expert=dense.MlpBlock(
-            use_bias=False,
-            intermediate_dim=config.d_ff,
-            activations=("relu",),
-            intermediate_dropout_rate=0.0,
-            final_dropout_rate=0.0,
-            dtype=jnp.float32,
-        ),
-        router=routing.TokensChooseMaskedRouter(
-            router_weights=routing.RouterWeights(use_bias=False, dtype=jnp.float32),
-            num_selected_experts=1,
-            jitter_noise=0.0,
-            batch_prioritized_routing=False,
-            ignore_padding_tokens=False,
-            dtype=jnp.float32,
-        ),
-        num_expert_partitions=config.num_experts,
-        num_model_partitions=1,
-        min_expert_capacity=config.min_expert_capacity,
-        dropout_rate=0.0,
-        dtype=jnp.float32,
-    )
+    stock = switch_moe_layer(config)
 
     class Block(nn.Module):
         mlp: nn.Module
@@ -122,7 +94,7 @@ def build(path: str):
     def nest(tree: dict) -> dict:
         return traverse_util.unflatten_dict({(*LAYER, *k): v for k, v in tree.items()})
 
-    router_params = nest({("router", *k): jnp.asarray(v) for k, v in router.items()})
+    router_params = nest(router)
     codes = nest(
         {
             (kernel, array): jnp.asarray(value)
@@ -144,9 +116,7 @@ def build(path: str):
         )
         for kernel, cols in (("wi", config.d_model), ("wo", config.d_ff))
     }
-    dense_variables = {
-        "params": nest({**{("router", *k): jnp.asarray(v) for k, v in router.items()}, **experts})
-    }
+    dense_variables = {"params": nest({**router, **experts})}
     variants["flaxformer, dense f32"] = (Root(Stack(Block(stock))), dense_variables)
     jitted = {
         variant: (jax.jit(module.apply), variables)

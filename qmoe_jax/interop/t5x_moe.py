@@ -59,10 +59,11 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 from flax.linen import partitioning as flax_partitioning
-from flaxformer.architectures.moe import moe_layers
+from flaxformer.architectures.moe import moe_layers, routing
 from flaxformer.components import dense
 
 from qmoe_jax.codec import CompressedExperts
+from qmoe_jax.interop.slot_rows import activation, maps_zero_to_zero, on_rows_in_use
 from qmoe_jax.interop.t5x_layout import (
     ARRAYS,
     COLLECTION,
@@ -125,12 +126,6 @@ class CompressedKernelVariables(nn.Module):
             arrays["minmax"].astype(jnp.bfloat16),
             self.kernel.cols,
         )
-
-
-def _activation(name):
-    if name == "linear":
-        return lambda x: x
-    return getattr(nn, name) if isinstance(name, str) else name
 
 
 def _context_mesh() -> jax.sharding.Mesh | None:
@@ -316,7 +311,7 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             hidden = functools.reduce(
                 operator.mul,
                 [
-                    _activation(act)(project(name, tokens))
+                    activation(act)(project(name, tokens))
                     for name, act in zip(names, expert.activations)
                 ],
             )
@@ -324,8 +319,8 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
                 hidden = jnp.where(kept != 0, hidden / keep, jnp.zeros_like(hidden))
             return project("wo", hidden)
 
-        if self.skip_empty_slots and _maps_zero_to_zero(expert.activations):
-            out = _on_rows_in_use(mlp, x, blocks)
+        if self.skip_empty_slots and maps_zero_to_zero(expert.activations):
+            out = on_rows_in_use(mlp, x, blocks)
         else:
             out = mlp(x, None)
         return nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
@@ -381,59 +376,41 @@ def _local_matmul(w: CompressedExperts, x: jax.Array, dictionary, counts=None) -
     return ops.matmul(w, x, dictionary, None if counts is None else counts.reshape(-1))
 
 
-def _maps_zero_to_zero(activations) -> bool:
-    """Whether the expert MLP gives zero for a zero input row: the product of its activations
-    at 0 is 0 (the kernels and ``wo`` carry no bias)."""
-    with jax.ensure_compile_time_eval():
-        at_zero = functools.reduce(
-            operator.mul,
-            [float(_activation(act)(jnp.zeros((), jnp.float32))) for act in activations],
-        )
-    return at_zero == 0.0
+def switch_moe_layer(config, activations=("relu",)) -> moe_layers.MoeLayer:
+    """flaxformer's ``MoeLayer`` as switch_base.gin configures it (top-1
+    ``TokensChooseMaskedRouter``, no jitter, no batch-prioritized routing, float32), at the
+    shape, capacity factors, group size and minimum capacity of ``config`` (a
+    ``models.SwitchConfig``), with no dropout."""
 
-
-def row_buckets(rows: int) -> list[int]:
-    """The row counts ``_on_rows_in_use`` compiles the MLP for, ascending: ``rows`` and each
-    quarter of the last, rounded up, down to 1."""
-    sizes = [rows]
-    while sizes[-1] > 1:
-        sizes.append(-(-sizes[-1] // 4))
-    return sorted(set(sizes))
-
-
-def _on_rows_in_use(mlp, x: jax.Array, blocks: int) -> jax.Array:
-    """``mlp`` (``[E, N, H], counts int32[E, blocks] → [E, N, H']``, rows past each block's count
-    unread and zero) applied to the nonzero rows of ``x [E, T, H]`` only; zero rows give zero.
-
-    Each of the ``blocks`` blocks of T // blocks rows (one per device along the replicas axis)
-    has its nonzero rows moved first, in order; the MLP then runs on the first ``size`` rows of
-    every block, ``size`` the smallest of ``row_buckets`` that holds the largest count (one
-    branch of ``lax.switch`` per bucket), and its outputs go back to the rows they came from.
-    """
-    experts, tokens, *hidden = x.shape
-    per_block = tokens // blocks
-    grouped = x.reshape(experts, blocks, per_block, *hidden)
-    in_use = jnp.any(grouped != 0, axis=tuple(range(3, grouped.ndim)))
-    order = jnp.argsort(~in_use, axis=-1, stable=True)
-    counts = jnp.sum(in_use, axis=-1, dtype=jnp.int32)
-    sizes = row_buckets(per_block)
-    expert_index = jnp.arange(experts)[:, None, None]
-    block_index = jnp.arange(blocks)[None, :, None]
-
-    def branch(size: int):
-        def run(grouped, order, counts):
-            index = order[..., :size]
-            rows = grouped[expert_index, block_index, index]
-            out = mlp(rows.reshape(experts, blocks * size, *hidden), counts)
-            out = out.reshape(experts, blocks, size, *out.shape[2:])
-            placed = jnp.zeros((experts, blocks, per_block, *out.shape[3:]), out.dtype)
-            placed = placed.at[expert_index, block_index, index].set(out)
-            return placed.reshape(experts, tokens, *out.shape[3:])
-
-        return run
-
-    which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.max(counts))
-    return jax.lax.switch(which, [branch(size) for size in sizes], grouped, order, counts)
+    router = routing.TokensChooseMaskedRouter(
+        router_weights=routing.RouterWeights(use_bias=False, dtype=jnp.float32),
+        num_selected_experts=1,
+        jitter_noise=0.0,
+        batch_prioritized_routing=False,
+        ignore_padding_tokens=False,
+        dtype=jnp.float32,
+    )
+    expert = dense.MlpBlock(
+        use_bias=False,
+        intermediate_dim=config.d_ff,
+        activations=activations,
+        intermediate_dropout_rate=0.0,
+        final_dropout_rate=0.0,
+        dtype=jnp.float32,
+    )
+    return moe_layers.MoeLayer(
+        num_experts=config.num_experts,
+        max_group_size=config.group_size,
+        train_capacity_factor=config.train_capacity_factor,
+        eval_capacity_factor=config.eval_capacity_factor,
+        expert=expert,
+        router=router,
+        num_expert_partitions=config.num_experts,
+        num_model_partitions=1,
+        min_expert_capacity=config.min_expert_capacity,
+        dropout_rate=0.0,
+        dtype=jnp.float32,
+    )
 
 
 def compressed_moe_layer(layer: moe_layers.MoeLayer, checkpoint: str) -> CompressedMoeLayer:

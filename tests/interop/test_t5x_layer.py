@@ -15,13 +15,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import traverse_util  # noqa: E402
-from flaxformer.architectures.moe import moe_layers, routing  # noqa: E402
-from flaxformer.components import dense  # noqa: E402
+from flaxformer.architectures.moe import moe_layers  # noqa: E402
 
 from qmoe_jax.inference.compressed_params import load_compressed_model  # noqa: E402
 from qmoe_jax.interop.gin_flags import CONFIGS_DIR  # noqa: E402
 from qmoe_jax.interop.t5x_layout import COLLECTION, LayoutError, read_layout  # noqa: E402
-from qmoe_jax.interop.t5x_moe import CompressedMoeLayer, compressed_moe_layer  # noqa: E402
+from qmoe_jax.interop.t5x_moe import (  # noqa: E402
+    CompressedMoeLayer,
+    compressed_moe_layer,
+    switch_moe_layer,
+)
 
 pytestmark = pytest.mark.t5x
 
@@ -51,39 +54,6 @@ class Root(nn.Module):
 
 def at_sparse_layer(layer):
     return Root(Stack(Block(layer)))
-
-
-def flaxformer_layer(config, activations=("relu",)):
-    """flaxformer's MoeLayer configured as switch_base.gin configures it, at ``config``'s shape."""
-    router = routing.TokensChooseMaskedRouter(
-        router_weights=routing.RouterWeights(use_bias=False, dtype=jnp.float32),
-        num_selected_experts=1,
-        jitter_noise=0.0,
-        batch_prioritized_routing=False,
-        ignore_padding_tokens=False,
-        dtype=jnp.float32,
-    )
-    expert = dense.MlpBlock(
-        use_bias=False,
-        intermediate_dim=config.d_ff,
-        activations=activations,
-        intermediate_dropout_rate=0.0,
-        final_dropout_rate=0.0,
-        dtype=jnp.float32,
-    )
-    return moe_layers.MoeLayer(
-        num_experts=config.num_experts,
-        max_group_size=config.group_size,
-        train_capacity_factor=config.train_capacity_factor,
-        eval_capacity_factor=config.eval_capacity_factor,
-        expert=expert,
-        router=router,
-        num_expert_partitions=config.num_experts,
-        num_model_partitions=1,
-        min_expert_capacity=config.min_expert_capacity,
-        dropout_rate=0.0,
-        dtype=jnp.float32,
-    )
 
 
 def layer_variables(directory):
@@ -118,7 +88,7 @@ def test_compressed_layer_equals_flaxformer_layer_on_the_dequantized_experts(
     config = dataclasses.replace(
         config, eval_capacity_factor=0.5, train_capacity_factor=0.75, min_expert_capacity=1
     )
-    stock = flaxformer_layer(config)
+    stock = switch_moe_layer(config)
     ours = compressed_moe_layer(stock, directory)
     assert isinstance(ours, CompressedMoeLayer) and isinstance(ours, moe_layers.MoeLayer)
     x = jax.random.normal(jax.random.PRNGKey(3), (8, 40, config.d_model), jnp.float32)
@@ -177,7 +147,7 @@ def test_a_decoding_step_decodes_only_the_experts_its_tokens_chose(compressed_ti
     flaxformer's output on the intact experts."""
     _, directory, _ = compressed_tiny
     dense_vars, compressed_vars, config = layer_variables(directory)
-    stock = flaxformer_layer(config)
+    stock = switch_moe_layer(config)
     ours = compressed_moe_layer(stock, directory)
     every_slot = dataclasses.replace(ours, skip_empty_slots=False)
     x = jax.random.normal(jax.random.PRNGKey(5), (2, 1, config.d_model), jnp.float32)
@@ -206,7 +176,7 @@ def test_skipping_empty_slots_keeps_outputs_and_gradients(compressed_tiny):
     _, directory, _ = compressed_tiny
     _, compressed_vars, config = layer_variables(directory)
     config = dataclasses.replace(config, eval_capacity_factor=1.5, min_expert_capacity=1)
-    ours = compressed_moe_layer(flaxformer_layer(config), directory)
+    ours = compressed_moe_layer(switch_moe_layer(config), directory)
     every_slot = dataclasses.replace(ours, skip_empty_slots=False)
     x = jax.random.normal(jax.random.PRNGKey(6), (4, 24, config.d_model), jnp.float32)
     x = x.at[1, 5:].set(0.0)  # padding: zero rows are skipped wherever they land
@@ -248,7 +218,7 @@ def test_dropout_masks_are_the_hidden_activations_own(compressed_tiny):
     what nn.Dropout on the hidden activations would, with the same random bits."""
     _, directory, _ = compressed_tiny
     _, compressed_vars, config = layer_variables(directory)
-    stock = flaxformer_layer(config)
+    stock = switch_moe_layer(config)
     stock = dataclasses.replace(
         stock,
         expert=dataclasses.replace(
@@ -268,40 +238,11 @@ def test_dropout_masks_are_the_hidden_activations_own(compressed_tiny):
     assert np.abs(np.asarray(got) - np.asarray(undropped)).max() > 1e-3  # dropout acted
 
 
-def test_the_mlp_runs_on_the_rows_in_use_of_the_smallest_bucket_that_holds_them():
-    from qmoe_jax.interop.t5x_moe import _maps_zero_to_zero, _on_rows_in_use, row_buckets
-
-    assert row_buckets(512) == [1, 2, 8, 32, 128, 512]
-    assert row_buckets(6) == [1, 2, 6] and row_buckets(1) == [1]
-
-    def mlp(tokens, counts):
-        # Rows within their block's count times the rows per block the MLP was given (the
-        # bucket), the others zero: in-use rows that did not come first would be lost.
-        per_block = tokens.shape[1] // 2
-        position = jnp.arange(tokens.shape[1]) % per_block
-        block = jnp.arange(tokens.shape[1]) // per_block
-        used = position[None, :] < counts[:, block]
-        return jnp.where(used[..., None], tokens * per_block, 0.0)
-
-    rng = np.random.default_rng(0)
-    for most, bucket in [(0, 1), (1, 1), (2, 4), (5, 16), (9, 16)]:
-        x = np.zeros((3, 32, 5), np.float32)  # 2 blocks of 16 rows: buckets 1, 4, 16
-        for e in range(3):
-            for b in range(2):
-                count = most if (e, b) == (1, 1) else min(most, 1)
-                rows = rng.choice(16, count, replace=False)
-                x[e, 16 * b + rows] = rng.normal(size=(count, 5))
-        got = _on_rows_in_use(mlp, jnp.asarray(x), blocks=2)
-        np.testing.assert_allclose(got, x * bucket, err_msg=f"largest count {most}")
-    assert _maps_zero_to_zero(("relu",)) and _maps_zero_to_zero(("gelu", "linear"))
-    assert _maps_zero_to_zero(("sigmoid", "linear")) and not _maps_zero_to_zero(("sigmoid",))
-
-
 def test_compressed_layer_declares_codes_in_their_own_collection_with_expert_axes(compressed_tiny):
     _, directory, _ = compressed_tiny
     layout = read_layout(directory)
     config = load_compressed_model(directory).config
-    module = at_sparse_layer(compressed_moe_layer(flaxformer_layer(config), directory))
+    module = at_sparse_layer(compressed_moe_layer(switch_moe_layer(config), directory))
     shapes = jax.eval_shape(
         module.init, jax.random.PRNGKey(0), jnp.ones((2, 8, config.d_model), jnp.float32)
     )
@@ -325,11 +266,11 @@ def test_compressed_layer_names_what_disagrees_with_the_checkpoint(compressed_ti
         ({"d_ff": 96}, ("relu",), "wi is [96, 32] in the model"),
         ({}, ("gelu", "linear"), "need kernels ['wi_0', 'wi_1', 'wo']"),
     ]:
-        stock = flaxformer_layer(dataclasses.replace(config, **changes), activations)
+        stock = switch_moe_layer(dataclasses.replace(config, **changes), activations)
         module = at_sparse_layer(compressed_moe_layer(stock, directory))
         with pytest.raises(LayoutError, match=message.replace("[", r"\[").replace("]", r"\]")):
             module.init(jax.random.PRNGKey(0), x)
-    module = at_sparse_layer(compressed_moe_layer(flaxformer_layer(config), directory))
+    module = at_sparse_layer(compressed_moe_layer(switch_moe_layer(config), directory))
     variables = module.init(jax.random.PRNGKey(0), x)
     with pytest.raises(LayoutError, match="'qmoe_experts' collection, which must be passed"):
         module.apply({"params": variables["params"]}, x)
