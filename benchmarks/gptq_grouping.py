@@ -36,8 +36,7 @@ cols = 3072; benchmarks/gptq_rate.py counts it exactly). The minimal count
 The solver calls no LAPACK (quant/linalg.py's Cholesky is plain lax). OpenBLAS, which
 numpy may use for the synthetic data, still runs with OPENBLAS_NUM_THREADS=1 unless the
 environment sets it: its own thread pool, next to XLA's, collapsed when the cores were
-oversubscribed (measured here at load ~12, when the Cholesky still went through LAPACK:
-four 1024x1024 factorizations 5.4 s with the default threads, 0.05 s with one).
+oversubscribed (docs/measurements.md, gptq_grouping.py, has the measurement).
 
     python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072]
     [--modes sequential,vmapped]

@@ -31,9 +31,8 @@ way gives the dispatch floor. Candidates take turns in shuffled order each
 round; figures are medians over rounds (minimums in the JSON). XLA:CPU's
 bfloat16 dots take turns only with the kernel's own bf16 (or f32) call, in
 rounds of their own: they are slow and compute-bound, and whatever runs right
-after one slows down (measured here: a switch-base layer step of the kernel,
-4.3 ms alone, took 8.8-11.3 ms right after a dense bf16 step, 5.1 ms after a
-dense f32 one, still 10.7 ms with 20 ms of sleep in between).
+after one slows down, even after a sleep (docs/measurements.md, "Where the
+kernel's time goes").
 
 Each figure has its physical limit beside it: the machine's memory bandwidth,
 measured here (a multi-threaded copy, and XLA's dense dot over a 512 MB

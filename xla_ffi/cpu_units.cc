@@ -13,7 +13,7 @@ namespace {
 
 // Groups with fewer tokens than this run the one-token dot per token: a
 // block decodes a row into position lists and adds 16-lane token rows, which
-// costs about 3.5 one-token dots (AVX-512, 6144×2080) whatever its width.
+// costs a few one-token dots whatever its width (docs/cpu_kernels.md).
 constexpr int64_t kBlockTokens = 4;
 // Smallest row range worth a task of its own.
 constexpr int64_t kMinRowsPerTask = 16;

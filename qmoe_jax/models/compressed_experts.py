@@ -46,9 +46,9 @@ def default_per_token_limit(num_experts: int) -> int:
     16 experts.
 
     The dispatch path's buffers grow with E, and the per-token path pays a fixed cost (the
-    gathers) per call: at batch-1 decoding the per-token path took 0.93× the time per token with
-    128 experts, the same with 16 and 1.04-1.09× with 8 (docs/measurements.md, inference.py). A
-    dispatched call also decodes each routed expert once for all its tokens, where the per-token
+    gathers) per call: at batch-1 decoding it pays off with many experts and not with few
+    (docs/measurements.md, inference.py, has the measurement behind the limit). A dispatched
+    call also decodes each routed expert once for all its tokens, where the per-token
     path decodes one expert per token: with N tokens routed evenly over E experts about
     (N - 1)/(2E) of its decoding repeats, under 1/32 at N ≤ E/16.
     """
