@@ -8,6 +8,7 @@ import shutil
 
 import numpy as np
 import pytest
+import tensorstore as ts
 from helpers.compression_runs import all_arrays, assert_same_arrays, options
 from helpers.switch_fixtures import TINY, random_params
 
@@ -32,20 +33,45 @@ def reference(tiny_setup, tmp_path_factory):
     return directory
 
 
-def write_source(directory, monkeypatch, **scaled) -> str:
-    """The tiny model (seed 0) as a T5X checkpoint in small chunks, with ``scaled[path] = (index,
-    factor)`` applied; returns its path."""
-    params = random_params(TINY)
-    for path, (index, factor) in scaled.items():
-        *parents, leaf = path.split("/")
-        node = params
-        for key in parents:
-            node = node[key]
-        node[leaf] = np.array(node[leaf])
-        node[leaf][index] *= factor
+def write_source(directory, monkeypatch) -> str:
+    """The tiny model (seed 0) as a T5X checkpoint in small chunks; returns its path."""
     with monkeypatch.context() as patch:
         patch.setattr(t5x_writer, "DESIRED_CHUNK_BYTES", CHUNK_BYTES)
-        return write_t5x_checkpoint(str(directory), params, step=1, dtype="bfloat16")
+        return write_t5x_checkpoint(str(directory), random_params(TINY), step=1, dtype="bfloat16")
+
+
+def change_in_place(checkpoint: str, **scaled) -> None:
+    """Applies ``scaled[path] = (index along the first axis, factor)`` to the stored arrays of
+    ``checkpoint``, rewriting only the chunks that hold those entries.
+
+    The other files keep their bytes. Writing the changed model afresh would not do: the same
+    values saved twice may be stored as other gzip bytes, and the content fingerprint samples the
+    stored bytes."""
+    for path, (index, factor) in scaled.items():
+        store = ts.open(
+            {
+                "driver": "zarr",
+                "kvstore": {
+                    "driver": "file",
+                    "path": os.path.join(checkpoint, "target." + path.replace("/", ".")),
+                },
+            },
+            open=True,
+        ).result()
+        if isinstance(index, slice):  # tensorstore's indices do not count from the end
+            start, stop, _ = index.indices(store.shape[0])
+            index = slice(start, stop)
+        values = store[index].read().result()
+        store[index].write((values.astype(np.float32) * factor).astype(values.dtype)).result()
+
+
+def changed_copy(checkpoint: str, directory, **scaled) -> str:
+    """A copy of the model directory that holds ``checkpoint``, at ``directory``, with
+    ``change_in_place(**scaled)`` applied; returns the copy's checkpoint path."""
+    shutil.copytree(model_dir(checkpoint), directory, copy_function=shutil.copyfile)  # new files
+    copy = os.path.join(str(directory), os.path.basename(checkpoint.rstrip("/")))
+    change_in_place(copy, **scaled)
+    return copy + "/"
 
 
 def interrupted_run(tiny_setup, tmp_path, monkeypatch):
@@ -71,12 +97,14 @@ def model_dir(source: str) -> str:
     return os.path.dirname(source.rstrip("/"))
 
 
-def replace_source(source: str, monkeypatch, **scaled) -> None:
-    """Writes the model with ``scaled`` applied at the path of ``source``, as a user replaces a
-    checkpoint."""
+def replace_source(source: str, **scaled) -> None:
+    """Replaces the model directory of ``source`` by a changed copy of it, as a user replaces a
+    checkpoint: every file new, the changed chunks with new bytes."""
     root = model_dir(source)
-    shutil.rmtree(root)
-    assert write_source(root, monkeypatch, **scaled) == source
+    original = root + ".original"
+    os.rename(root, original)
+    changed_copy(os.path.join(original, os.path.basename(source.rstrip("/"))), root, **scaled)
+    shutil.rmtree(original)
 
 
 def test_fingerprint_alone_cannot_tell_these_changes(tmp_path, monkeypatch):
@@ -84,9 +112,14 @@ def test_fingerprint_alone_cannot_tell_these_changes(tmp_path, monkeypatch):
     from qmoe_jax.checkpoints import open_t5x_checkpoint
     from qmoe_jax.checkpoints.fingerprint import source_fingerprint
 
-    first = source_fingerprint(open_t5x_checkpoint(write_source(tmp_path / "a", monkeypatch)))
+    source = write_source(tmp_path / "a", monkeypatch)
+    first = source_fingerprint(open_t5x_checkpoint(source))
     for name, change in [("b", {EXPERT_WI: (2, 2.0)}), ("c", {QUERY: (slice(-4, None), 2.0)})]:
-        changed = write_source(tmp_path / name, monkeypatch, **change)
+        changed = changed_copy(source, tmp_path / name, **change)
+        path = next(iter(change))
+        assert not np.array_equal(
+            open_t5x_checkpoint(changed).read(path), open_t5x_checkpoint(source).read(path)
+        )
         assert source_fingerprint(open_t5x_checkpoint(changed)) == first
 
 
@@ -100,7 +133,7 @@ def test_a_replaced_source_is_refused_and_verify_full_names_the_changed_array(
 ):
     run, source = interrupted_run(tiny_setup, tmp_path, monkeypatch)
     manifest = (tmp_path / "out" / "manifest.json").read_text()
-    replace_source(source, monkeypatch, **changed)
+    replace_source(source, **changed)
     with pytest.raises(SourceChangedError) as refused:
         compress_checkpoint(run, **QUIET)
     message = str(refused.value)
@@ -125,7 +158,7 @@ def test_one_chunk_rewritten_in_place_with_its_mtime_restored_is_named(
     tiny_setup, tmp_path, monkeypatch
 ):
     run, source = interrupted_run(tiny_setup, tmp_path, monkeypatch)
-    other = write_source(tmp_path / "other", monkeypatch, **{QUERY: (slice(-4, None), 2.0)})
+    other = changed_copy(source, tmp_path / "other", **{QUERY: (slice(-4, None), 2.0)})
     array = "target.encoder.layers_0.attention.query.kernel"
     changed = [
         name
@@ -152,7 +185,7 @@ def test_a_dense_array_read_again_is_compared_even_where_file_signals_cannot_tel
     finished layer reads again are still compared by content."""
     run, source = interrupted_run(tiny_setup, tmp_path, monkeypatch)
     recorded = CompressedCheckpoint(run.output_dir).manifest["source_snapshot"]
-    replace_source(source, monkeypatch, **{QUERY: (slice(-4, None), 2.0)})
+    replace_source(source, **{QUERY: (slice(-4, None), 2.0)})
     monkeypatch.setattr(source_files, "snapshot", lambda checkpoint: recorded)
     with pytest.raises(
         SourceChangedError,
@@ -209,7 +242,7 @@ def test_a_moved_source_resumes_and_a_copy_resumes_after_verify_full(
 
 def test_a_source_changed_while_the_run_reads_it_is_an_error(tiny_setup, tmp_path, monkeypatch):
     source = write_source(tmp_path / "source", monkeypatch)
-    other = write_source(tmp_path / "other", monkeypatch, **{QUERY: (slice(-4, None), 2.0)})
+    other = write_source(tmp_path / "other", monkeypatch)
     array = "target.decoder.layers_1.mlp.expert.wo.kernel"
     write_layer = CompressedCheckpointWriter.write_layer
 
