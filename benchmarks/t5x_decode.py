@@ -1,13 +1,15 @@
 """One sparse decoder layer of stock T5X at ``t5x.infer``'s decoding shapes: the compressed layer
-(interop/t5x_moe.py) computing only the capacity slots in use, the same layer computing every slot,
-and flaxformer's own ``MoeLayer`` on the dequantized float32 experts.
+(interop/t5x_moe.py) as it runs by default (each token multiplied by its own expert's gathered
+codes), the same layer on flaxformer's dispatch computing only the capacity slots in use
+(``per_token_limit=0``) or every slot, and flaxformer's own ``MoeLayer`` on the dequantized
+float32 experts.
 
 A decoding step hands the MoE layer one token per sequence, ``[batch, 1, d_model]``. flaxformer
 pads the tokens to a multiple of E, makes E routing groups of them and gives every expert
 ``max(round(CF · tokens per group / E), min_expert_capacity)`` slots per group: E × 4 slots per
 expert under switch_base.gin's settings, of which at most ``batch`` hold a token. flaxformer's
-layer multiplies every slot by every expert; the compressed layer skips the empty ones and every
-expert no token chose.
+layer multiplies every slot by every expert; on the dispatch, the compressed layer skips the empty
+ones and every expert no token chose; by default it skips the dispatch itself.
 
 Measured: milliseconds per call of the jitted layer (``apply`` with ``decode=True``), per model,
 batch and variant, the median over --rounds rounds in which the variants take turns (each round
@@ -15,7 +17,7 @@ times --calls calls of each; a variant slower than a second per call gets one ca
 and each variant's ratio to the compressed layer, the median of the per-round ratios. The layer
 is the checkpoint's first sparse decoder layer, with flaxformer's switch_base.gin routing
 (``TokensChooseMaskedRouter``, top-1) and the checkpoint's capacity factors, group size and
-minimum capacity. Outputs of the three variants are compared: each must be within 1e-4 of the
+minimum capacity. Outputs of the variants are compared: each must be within 1e-4 of the
 largest output of the compressed layer's.
 
 Models: the synthetic switch-base-shaped checkpoints of benchmarks/inference.py (made there if
@@ -102,8 +104,12 @@ def build(path: str):
         }
     )
     variants = {}
-    for variant, skip in (("compressed", True), ("compressed, every slot", False)):
-        layer = dataclasses.replace(compressed_moe_layer(stock, path), skip_empty_slots=skip)
+    for variant, fields in (
+        ("compressed", {}),
+        ("compressed, slots in use", {"per_token_limit": 0}),
+        ("compressed, every slot", {"skip_empty_slots": False}),
+    ):
+        layer = dataclasses.replace(compressed_moe_layer(stock, path), **fields)
         variants[variant] = (
             Root(Stack(Block(layer))),
             {"params": router_params, COLLECTION: codes},
@@ -210,10 +216,10 @@ def main() -> None:
     for model in args.models:
         rows += measure(model, checkpoint_for(model, args), args)
     print(f"\n{cpu_model()}; ms per call of one sparse decoder layer, medians")
-    print(f"{'model':<16}{'batch':>6}  {'variant':<24}{'ms/call':>10}{'vs compressed':>15}")
+    print(f"{'model':<16}{'batch':>6}  {'variant':<26}{'ms/call':>10}{'vs compressed':>15}")
     for row in rows:
         print(
-            f"{row['model']:<16}{row['batch']:>6}  {row['variant']:<24}"
+            f"{row['model']:<16}{row['batch']:>6}  {row['variant']:<26}"
             f"{row['ms_per_call']:>10.2f}{row['vs_compressed']:>14.1f}×"
         )
     write_result("t5x_decode", {"args": vars(args), "rows": rows}, args.output)

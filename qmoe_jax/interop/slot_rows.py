@@ -1,5 +1,5 @@
 """Which rows of an expert stack's capacity slots to compute, for the compressed MoE layer inside
-T5X (``interop/t5x_moe.py``): pure JAX, no flaxformer.
+T5X (``interop/t5x_moe.py``), and its per-token path: no flaxformer.
 
 flaxformer's dispatch hands the experts ``[E, T, H]`` rows, and its empty capacity slots are all
 zero. ``on_rows_in_use`` runs an expert MLP on the nonzero rows only, at one of a few compiled
@@ -15,6 +15,9 @@ import operator
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from qmoe_jax.codec import CompressedExperts
+from qmoe_jax.kernels import ops
 
 
 def activation(name):
@@ -45,7 +48,7 @@ def row_buckets(rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def on_rows_in_use(mlp, x: jax.Array, blocks: int) -> jax.Array:
+def on_rows_in_use(mlp, x: jax.Array, blocks: int, labels: jax.Array | None = None) -> jax.Array:
     """``mlp`` (``[E, N, H], counts int32[E, blocks] → [E, N, H']``, rows past each block's count
     unread and zero) applied to the nonzero rows of ``x [E, T, H]`` only; zero rows give zero.
 
@@ -53,6 +56,8 @@ def on_rows_in_use(mlp, x: jax.Array, blocks: int) -> jax.Array:
     has its nonzero rows moved first, in order; the MLP then runs on the first ``size`` rows of
     every block, ``size`` the smallest of ``row_buckets`` that holds the largest count (one
     branch of ``lax.switch`` per bucket), and its outputs go back to the rows they came from.
+    ``labels [E, T]``, when given, move with the rows and reach ``mlp`` as a third argument
+    ``[E, N]`` (the per-token path passes each row's own expert).
     """
     experts, tokens, *hidden = x.shape
     per_block = tokens // blocks
@@ -68,7 +73,13 @@ def on_rows_in_use(mlp, x: jax.Array, blocks: int) -> jax.Array:
         def run(grouped, order, counts):
             index = order[..., :size]
             rows = grouped[expert_index, block_index, index]
-            out = mlp(rows.reshape(experts, blocks * size, *hidden), counts)
+            extra = ()
+            if labels is not None:
+                chosen = labels.reshape(experts, blocks, per_block)[
+                    expert_index, block_index, index
+                ]
+                extra = (chosen.reshape(experts, blocks * size),)
+            out = mlp(rows.reshape(experts, blocks * size, *hidden), counts, *extra)
             out = out.reshape(experts, blocks, size, *out.shape[2:])
             placed = jnp.zeros((experts, blocks, per_block, *out.shape[3:]), out.dtype)
             placed = placed.at[expert_index, block_index, index].set(out)
@@ -78,3 +89,34 @@ def on_rows_in_use(mlp, x: jax.Array, blocks: int) -> jax.Array:
 
     which = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.max(counts))
     return jax.lax.switch(which, [branch(size) for size in sizes], grouped, order, counts)
+
+
+def each_token_its_expert(
+    weights: dict, dictionary, kernels: list, x: jax.Array, expert_index: jax.Array
+) -> jax.Array:
+    """Token n's expert MLP ``expert_index[n]`` on ``x [N, H]`` → ``[N, H']``, on the nonzero
+    tokens only (``on_rows_in_use``, zero tokens give zero).
+
+    ``weights`` maps kernel names to ``CompressedExperts`` stacks; ``kernels`` lists the input
+    kernels as ``(name, activation)``, whose outputs multiply, and ``weights["wo"]`` maps the
+    product back. Each kernel is one fused call on the experts gathered for the tokens (their
+    codes, row offsets and min/max), with the tokens past the count skipped.
+    """
+
+    def mlp(rows: jax.Array, counts: jax.Array, chosen: jax.Array) -> jax.Array:
+        rows, index = rows[0], chosen[0]
+        in_use = (jnp.arange(rows.shape[0]) < counts[0, 0]).astype(jnp.int32)
+
+        def project(kernel: str, h: jax.Array) -> jax.Array:
+            w = weights[kernel]
+            gathered = CompressedExperts(
+                w.codes[index], w.row_offsets[index], w.minmax[index], w.cols
+            )
+            return ops.matmul(gathered, h[:, None, :], dictionary, in_use)[:, 0]
+
+        hidden = functools.reduce(
+            operator.mul, [activation(act)(project(name, rows)) for name, act in kernels]
+        )
+        return project("wo", hidden)[None]
+
+    return on_rows_in_use(mlp, x[None], 1, labels=expert_index[None])[0]

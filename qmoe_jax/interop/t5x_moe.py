@@ -35,6 +35,15 @@ with every slot's up to float32 rounding: the kernels add a lone token's
 products in another order than a block of tokens'. ``skip_empty_slots=False``
 computes every slot too (benchmarks/t5x_decode.py compares the two).
 
+A call of few tokens without dropout (up to ``per_token_limit``, by default E: a decoding step
+of up to E sequences, which flaxformer pads to E groups of one token) takes the per-token path
+instead: flaxformer's router gives each token its expert and gate (and the metrics it sows), and
+each nonzero token is multiplied by its own expert's codes, gathered out of the stacks
+(``slot_rows.each_token_its_expert``), then scaled by its gate; a dropped token gets 0. The
+``[G, E, C, H]`` dispatch and combine, E² · C · H values however few tokens are real, are not
+built. The path needs a top-1 ``TokensChooseMaskedRouter``, an MLP that maps zero to zero and
+experts held whole on each device; otherwise the dispatch above runs.
+
 The layer needs each sparse layer's code shapes when T5X initializes the model
 (abstractly, before the checkpoint is read): it reads them, and the layer's
 dictionary, from ``checkpoint`` (the gin macro ``QMOE_CHECKPOINT``) through
@@ -63,7 +72,12 @@ from flaxformer.architectures.moe import moe_layers, routing
 from flaxformer.components import dense
 
 from qmoe_jax.codec import CompressedExperts
-from qmoe_jax.interop.slot_rows import activation, maps_zero_to_zero, on_rows_in_use
+from qmoe_jax.interop.slot_rows import (
+    activation,
+    each_token_its_expert,
+    maps_zero_to_zero,
+    on_rows_in_use,
+)
 from qmoe_jax.interop.t5x_layout import (
     ARRAYS,
     COLLECTION,
@@ -147,10 +161,14 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         compressed directory or a T5X checkpoint of a compressed model.
       skip_empty_slots: compute only the capacity slots a token fills (the module's
         docstring); False computes every slot.
+      per_token_limit: calls of at most this many tokens (flaxformer's padding included)
+        without dropout take the per-token path (the module's docstring); None: the number of
+        experts, which a decoding step of up to E sequences is padded to; 0: never.
     """
 
     checkpoint: str = ""
     skip_empty_slots: bool = True
+    per_token_limit: int | None = None
 
     def _layer_layout(self, hidden: int) -> LayerLayout:
         if not self.checkpoint:
@@ -212,6 +230,88 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
                 + "; ".join(problems)
             )
         return layer
+
+    def _mask_and_dispatch_to_experts(
+        self, token_inputs, enable_dropout: bool, expert_capacity: int, **kwargs
+    ):
+        """flaxformer's masked routing, dispatch and combine; for few tokens, each token
+        multiplied by its own expert's gathered codes instead of the ``[G, E, C, H]`` dispatch."""
+        num_groups, tokens_per_group, *hidden_dims = token_inputs.shape
+        tokens = num_groups * tokens_per_group
+        limit = self.num_experts if self.per_token_limit is None else self.per_token_limit
+        per_token = (
+            tokens <= limit
+            and not enable_dropout
+            and len(hidden_dims) == 1
+            and self.skip_empty_slots
+            and maps_zero_to_zero(self.expert.activations)
+            and isinstance(self.router, routing.TokensChooseMaskedRouter)
+            and self.router.num_selected_experts == 1
+            and self._expert_matmul()[0] is _local_matmul
+        )
+        if not per_token:
+            return super()._mask_and_dispatch_to_experts(
+                token_inputs, enable_dropout, expert_capacity, **kwargs
+            )
+        router_mask = self.router(
+            token_inputs, self.num_experts, expert_capacity, apply_jitter=False
+        )
+        self._sow_dispatch_metrics(router_mask, token_inputs, expert_capacity)
+        # A kept token has one nonzero combine entry, its gate; a dropped one none.
+        gates = router_mask.combine_array.sum(-1).reshape(tokens, self.num_experts)
+        outputs = self._token_experts(token_inputs.reshape(tokens, -1), jnp.argmax(gates, -1))
+        combined = outputs * gates.sum(-1, keepdims=True)
+        return combined.reshape(num_groups, tokens_per_group, -1)
+
+    def _sow_dispatch_metrics(self, router_mask, token_inputs, expert_capacity: int) -> None:
+        """The metrics flaxformer's masked dispatch sows, from the same router mask."""
+        num_groups, tokens_per_group = token_inputs.shape[:2]
+        dispatch = router_mask.dispatch_mask
+        if self.router.ignore_padding_tokens:  # padding tokens are all zero
+            real = jnp.sum(jnp.abs(token_inputs), axis=-1) > 0
+            num_tokens = jnp.asarray(real, token_inputs.dtype).sum()
+        else:
+            num_tokens = float(num_groups * tokens_per_group)
+        dispatched = dispatch.sum()
+        self._sow_expert_metrics(
+            router_mask.auxiliary_loss,
+            router_mask.router_z_loss,
+            1.0 - jnp.max(dispatch, axis=(-1, -2)).sum() / num_tokens,
+            router_mask.combine_array.sum() / dispatched,
+            dispatched / (self.num_experts * expert_capacity * num_groups),
+        )
+
+    def _token_experts(self, x: jax.Array, expert_index: jax.Array) -> jax.Array:
+        """Token n's expert MLP ``expert_index[n]`` on ``x [N, H]`` → ``[N, H]``."""
+        found = self._expert_weights(x.shape[-1])
+        if found is None:
+            return jnp.zeros_like(x)
+        weights, dictionary, names = found
+        out = each_token_its_expert(
+            weights,
+            dictionary,
+            list(zip(names, self.expert.activations)),
+            jax.lax.convert_element_type(x, self.dtype),
+            expert_index,
+        )
+        return jax.lax.convert_element_type(out, x.dtype)
+
+    def _expert_weights(self, hidden: int):
+        """``(weights, dictionary, names)``: each expert kernel's ``CompressedExperts`` (declared
+        in ``qmoe_experts``), the dictionary, and the input kernels' names; None while the
+        model initializes, when only the variables are declared."""
+        layer = self._layer_layout(hidden)
+        dictionary = read_layout(self.checkpoint).dictionary(layer.dictionary)
+        weights = {
+            kernel: CompressedKernelVariables(shape, layer.num_experts, name=kernel)()
+            for kernel, shape in layer.kernels
+        }
+        if self.is_initializing():
+            # Initialization only declares the variables; zero codes are not valid code streams.
+            return None
+        activations = self.expert.activations
+        names = ["wi"] if len(activations) == 1 else [f"wi_{i}" for i in range(len(activations))]
+        return weights, dictionary, names
 
     def _call_experts(self, inputs, enable_dropout: bool, **kwargs):
         """As flaxformer's ``MoeLayer._call_experts`` ([G, E, C, H] in and out), with the
@@ -278,21 +378,11 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
     def _compressed_experts(self, x: jax.Array, enable_dropout: bool) -> jax.Array:
         """The expert MLPs ``[E, T, H] → [E, T, H]``, each kernel one fused call for all experts."""
         expert = self.expert
-        layer = self._layer_layout(x.shape[-1])
-        dictionary = read_layout(self.checkpoint).dictionary(layer.dictionary)
-        weights = {
-            kernel: CompressedKernelVariables(shape, layer.num_experts, name=kernel)()
-            for kernel, shape in layer.kernels
-        }
-        if self.is_initializing():
-            # Initialization only declares the variables; zero codes are not valid code streams.
+        found = self._expert_weights(x.shape[-1])
+        if found is None:
             return jnp.zeros_like(x)
+        weights, dictionary, names = found
         matmul, blocks = self._expert_matmul()
-        names = (
-            ["wi"]
-            if len(expert.activations) == 1
-            else [f"wi_{i}" for i in range(len(expert.activations))]
-        )
         # MlpBlock's dropouts: each expert's mask is broadcast along its tokens. The intermediate
         # one is drawn here, on ones of the mask's shape (the same random bits as on the hidden
         # activations), so that the MLP below holds no module call and can run in lax.switch.

@@ -170,6 +170,43 @@ def test_a_decoding_step_decodes_only_the_experts_its_tokens_chose(compressed_ti
     assert np.isnan(at_sparse_layer(every_slot).apply(broken, x)).all()
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_decoding_step_takes_each_tokens_own_expert_with_flaxformers_numbers(
+    compressed_tiny, batch
+):
+    """A decoding step's tokens, padded by flaxformer to one per group, each multiply their own
+    expert's gathered codes: flaxformer's outputs and sown metrics, and no ``[G, E, C, H]``
+    dispatch array in the program, which the dispatch path (``per_token_limit=0``) builds."""
+    _, directory, _ = compressed_tiny
+    dense_vars, compressed_vars, config = layer_variables(directory)
+    stock = switch_moe_layer(config)
+    ours = compressed_moe_layer(stock, directory)
+    dispatched = dataclasses.replace(ours, per_token_limit=0)
+    x = jax.random.normal(jax.random.PRNGKey(7), (batch, 1, config.d_model), jnp.float32)
+    x = x.at[-1].set(0.0) if batch > 1 else x  # an all-zero token too: it routes, and gives 0
+
+    def run(layer, variables):
+        return at_sparse_layer(layer).apply(variables, x, mutable=["intermediates"])
+
+    want, want_state = run(stock, dense_vars)
+    for layer in (ours, dispatched):
+        got, got_state = run(layer, compressed_vars)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        metrics = traverse_util.flatten_dict(want_state["intermediates"], sep="/")
+        for path, value in traverse_util.flatten_dict(got_state["intermediates"], sep="/").items():
+            np.testing.assert_allclose(value[0], metrics[path][0], rtol=1e-6, err_msg=path)
+
+    experts, capacity = config.num_experts, config.min_expert_capacity
+    dispatch_shape = f"tensor<{experts}x{experts}x{capacity}x{config.d_model}xf32>"
+
+    def program(layer):
+        apply = jax.jit(lambda v, x: at_sparse_layer(layer).apply(v, x))
+        return apply.lower(compressed_vars, x).as_text()
+
+    assert dispatch_shape in program(dispatched)  # the premise
+    assert dispatch_shape not in program(ours)
+
+
 def test_skipping_empty_slots_keeps_outputs_and_gradients(compressed_tiny):
     """Scoring shapes, where tokens drop and slots are mostly full: the same numbers either way, up
     to the rounding of the kernels' sums over other blocks of tokens."""
