@@ -2,7 +2,8 @@
 
 ``CompressedMoeLayer`` is a ``flaxformer.architectures.moe.moe_layers.MoeLayer``
 with the same fields, router, group and capacity rules, dispatch, combine and
-sown metrics; only ``_call_experts`` differs. flaxformer's runs the vmapped
+sown metrics; ``_call_experts`` differs, and calls of few tokens skip the
+dispatch (the per-token path, below). flaxformer's ``_call_experts`` runs the vmapped
 ``MlpBlock`` on dense ``expert/<kernel>/kernel`` parameters; this one runs each
 expert kernel as one ``ops.matmul`` over the codes, which it reads from the
 non-trainable collection ``qmoe_experts`` (``interop/t5x_layout.py``):
