@@ -90,6 +90,17 @@ class CompressedExperts:
             self.codes[expert], self.row_offsets[expert], self.minmax[expert], self.cols
         )
 
+    def take(self, experts: jax.Array) -> CompressedExperts:
+        """The stack of experts ``experts`` (int[N], in range), in that order: one matrix per
+        entry, e.g. each token's own expert."""
+        return CompressedExperts(
+            *(
+                jnp.take(array, experts, axis=0, mode="clip")
+                for array in (self.codes, self.row_offsets, self.minmax)
+            ),
+            self.cols,
+        )
+
     def bits_per_weight(self) -> float:
         """Over the whole stack, counted as for one matrix; padding is not counted."""
         return _bits_per_weight(self.row_offsets, self.rows, self.cols, self.num_experts)

@@ -16,7 +16,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.kernels import ops
 
 
@@ -91,6 +90,12 @@ def on_rows_in_use(mlp, x: jax.Array, blocks: int, labels: jax.Array | None = No
     return jax.lax.switch(which, [branch(size) for size in sizes], grouped, order, counts)
 
 
+def hidden_units(project, kernels) -> jax.Array:
+    """The expert MLP's hidden units: the product over ``kernels``, ``(name, activation)`` pairs,
+    of ``activation(project(name))``."""
+    return functools.reduce(operator.mul, [activation(act)(project(name)) for name, act in kernels])
+
+
 def each_token_its_expert(
     weights: dict, dictionary, kernels: list, x: jax.Array, expert_index: jax.Array
 ) -> jax.Array:
@@ -108,15 +113,10 @@ def each_token_its_expert(
         in_use = (jnp.arange(rows.shape[0]) < counts[0, 0]).astype(jnp.int32)
 
         def project(kernel: str, h: jax.Array) -> jax.Array:
-            w = weights[kernel]
-            gathered = CompressedExperts(
-                w.codes[index], w.row_offsets[index], w.minmax[index], w.cols
-            )
+            gathered = weights[kernel].take(index)
             return ops.matmul(gathered, h[:, None, :], dictionary, in_use)[:, 0]
 
-        hidden = functools.reduce(
-            operator.mul, [activation(act)(project(name, rows)) for name, act in kernels]
-        )
+        hidden = hidden_units(lambda name: project(name, rows), kernels)
         return project("wo", hidden)[None]
 
     return on_rows_in_use(mlp, x[None], 1, labels=expert_index[None])[0]

@@ -60,9 +60,7 @@ installed; the gin files of ``configs/t5x/`` do.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import operator
 
 import flax.linen as nn
 import jax
@@ -74,8 +72,8 @@ from flaxformer.components import dense
 
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.interop.slot_rows import (
-    activation,
     each_token_its_expert,
+    hidden_units,
     maps_zero_to_zero,
     on_rows_in_use,
 )
@@ -287,20 +285,17 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         found = self._expert_weights(x.shape[-1])
         if found is None:
             return jnp.zeros_like(x)
-        weights, dictionary, names = found
+        weights, dictionary, kernels = found
         out = each_token_its_expert(
-            weights,
-            dictionary,
-            list(zip(names, self.expert.activations)),
-            jax.lax.convert_element_type(x, self.dtype),
-            expert_index,
+            weights, dictionary, kernels, jax.lax.convert_element_type(x, self.dtype), expert_index
         )
         return jax.lax.convert_element_type(out, x.dtype)
 
     def _expert_weights(self, hidden: int):
-        """``(weights, dictionary, names)``: each expert kernel's ``CompressedExperts`` (declared
-        in ``qmoe_experts``), the dictionary, and the input kernels' names; None while the
-        model initializes, when only the variables are declared."""
+        """``(weights, dictionary, kernels)``: each expert kernel's ``CompressedExperts``
+        (declared in ``qmoe_experts``), the dictionary, and the input kernels as ``(name,
+        activation)`` pairs; None while the model initializes, when only the variables are
+        declared."""
         layer = self._layer_layout(hidden)
         dictionary = read_layout(self.checkpoint).dictionary(layer.dictionary)
         weights = {
@@ -312,7 +307,7 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             return None
         activations = self.expert.activations
         names = ["wi"] if len(activations) == 1 else [f"wi_{i}" for i in range(len(activations))]
-        return weights, dictionary, names
+        return weights, dictionary, list(zip(names, activations))
 
     def _call_experts(self, inputs, enable_dropout: bool, **kwargs):
         """As flaxformer's ``MoeLayer._call_experts`` ([G, E, C, H] in and out), with the
@@ -382,7 +377,7 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         found = self._expert_weights(x.shape[-1])
         if found is None:
             return jnp.zeros_like(x)
-        weights, dictionary, names = found
+        weights, dictionary, kernels = found
         matmul, blocks = self._expert_matmul()
         # MlpBlock's dropouts: each expert's mask is broadcast along its tokens. The intermediate
         # one is drawn here, on ones of the mask's shape (the same random bits as on the hidden
@@ -399,13 +394,7 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             def project(kernel: str, rows: jax.Array) -> jax.Array:
                 return matmul(weights[kernel], rows, dictionary, counts)
 
-            hidden = functools.reduce(
-                operator.mul,
-                [
-                    activation(act)(project(name, tokens))
-                    for name, act in zip(names, expert.activations)
-                ],
-            )
+            hidden = hidden_units(lambda name: project(name, tokens), kernels)
             if kept is not None:  # as nn.Dropout: kept entries divided by keep, the others 0
                 hidden = jnp.where(kept != 0, hidden / keep, jnp.zeros_like(hidden))
             return project("wo", hidden)

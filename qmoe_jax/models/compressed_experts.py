@@ -115,17 +115,7 @@ class CompressedMlpExperts(nn.Module):
     def _routed_stacks(self, expert_index: jax.Array) -> dict[str, CompressedExperts]:
         """{kernel: the stack of each token's expert, ``[N]`` matrices} for ``expert_index
         int32[N]``."""
-        routed = {}
-        for name in kernel_names(self.config):
-            stack = self._kernel(name)
-            routed[name] = CompressedExperts(
-                *(
-                    jnp.take(array, expert_index, axis=0, mode="clip")
-                    for array in (stack.codes, stack.row_offsets, stack.minmax)
-                ),
-                stack.cols,
-            )
-        return routed
+        return {name: self._kernel(name).take(expert_index) for name in kernel_names(self.config)}
 
     def _mlp(
         self,

@@ -48,6 +48,18 @@ def test_expert_indexing_and_shapes(dictionary):
     np.testing.assert_array_equal(second.row_offsets, encoded.row_offsets[1])
 
 
+def test_take_stacks_the_experts_asked_for_in_their_order(dictionary):
+    codes = ternary(np.random.default_rng(3), (4, 6, 33), 0.8)
+    encoded = encode_experts(codes, np.ones((4, 6, 2), ml_dtypes.bfloat16), dictionary)
+    taken = encoded.take(jnp.asarray([3, 0, 3]))
+    assert isinstance(taken, CompressedExperts) and taken.shape == (3, 6, 33)
+    for position, expert in enumerate([3, 0, 3]):
+        for field in ("codes", "row_offsets", "minmax"):
+            np.testing.assert_array_equal(
+                getattr(taken, field)[position], getattr(encoded, field)[expert]
+            )
+
+
 def test_pytree_keeps_cols_static(dictionary):
     encoded = encode(
         ternary(np.random.default_rng(3), (5, 17), 0.9),
