@@ -241,4 +241,85 @@ void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
   }
 }
 
+void RunMatmul(ffi::ThreadPool& pool, const CompressedOperands& w, const RowKernels& kernels,
+               const std::vector<TokenGroup>& groups, const DenseRows& x, const DenseRows& y,
+               FirstFailure& failure) {
+  const std::vector<Unit> units = Units(groups, /*always_blocks=*/false);
+  const int64_t unit_count = static_cast<int64_t>(units.size());
+  const int64_t workers = Workers(pool);
+  if (unit_count >= 2 * workers) {
+    ParallelFor(pool, unit_count, [&](int64_t u) {
+      float* buffer = Reserve(ThreadScratch().tokens, TokenBufferSize(w.cols, units[u]));
+      LoadTokens(units[u], groups[units[u].group].in_rows, x, buffer);
+      MatmulRows(w, kernels, groups, units[u], buffer, {0, w.rows}, y, failure);
+    });
+    return;
+  }
+  std::vector<std::vector<float>> buffers(unit_count);
+  ParallelFor(pool, unit_count, [&](int64_t u) {
+    buffers[u].resize(TokenBufferSize(w.cols, units[u]));
+    LoadTokens(units[u], groups[units[u].group].in_rows, x, buffers[u].data());
+  });
+  const int64_t splits = RowSplits(w.rows, unit_count, workers);
+  ParallelFor(pool, unit_count * splits, [&](int64_t task) {
+    const int64_t u = task / splits;
+    MatmulRows(w, kernels, groups, units[u], buffers[u].data(),
+               Split(w.rows, splits, task % splits), y, failure);
+  });
+}
+
+void RunTransposed(ffi::ThreadPool& pool, const CompressedOperands& w, const RowKernels& kernels,
+                   const std::vector<TokenGroup>& groups, const DenseRows& g, const DenseRows& dx,
+                   FirstFailure& failure) {
+  const std::vector<Unit> units = Units(groups, /*always_blocks=*/true);
+  const int64_t unit_count = static_cast<int64_t>(units.size());
+  const int64_t workers = Workers(pool);
+  // Writes dx for a unit's tokens, columns [columns.begin, columns.end), from partial sums.
+  const auto store = [&](const Unit& unit, const float* const* parts, int64_t part_count,
+                         RowRange columns) {
+    const TokenGroup& group = groups[unit.group];
+    for (int64_t t = 0; t < unit.count; ++t) {
+      const int64_t lane = (t / kTokenLanes) * TableSize(w.cols) + t % kTokenLanes;
+      for (int64_t j = columns.begin; j < columns.end; ++j) {
+        float total = 0.0f;
+        for (int64_t p = 0; p < part_count; ++p) total += parts[p][lane + j * kTokenLanes];
+        dx.Set(group.out_rows[unit.first + t], j, total);
+      }
+    }
+  };
+  if (unit_count >= 2 * workers) {
+    ParallelFor(pool, unit_count, [&](int64_t u) {
+      Scratch& scratch = ThreadScratch();
+      const int64_t sums_size = TokenBufferSize(w.cols, units[u]);
+      float* gradient = Reserve(scratch.tokens, TokenBufferSize(w.rows, units[u]));
+      float* sums = Reserve(scratch.sums, sums_size);
+      LoadTokens(units[u], groups[units[u].group].in_rows, g, gradient);
+      std::fill(sums, sums + sums_size, 0.0f);
+      TransposedRows(w, kernels, groups, units[u], gradient, {0, w.rows}, sums, failure);
+      store(units[u], &sums, 1, {0, w.cols});
+    });
+    return;
+  }
+  const int64_t splits = RowSplits(w.rows, unit_count, workers);
+  std::vector<std::vector<float>> gradients(unit_count);
+  std::vector<std::vector<float>> partial(unit_count * splits);
+  ParallelFor(pool, unit_count, [&](int64_t u) {
+    gradients[u].resize(TokenBufferSize(w.rows, units[u]));
+    LoadTokens(units[u], groups[units[u].group].in_rows, g, gradients[u].data());
+  });
+  ParallelFor(pool, unit_count * splits, [&](int64_t task) {
+    const int64_t u = task / splits;
+    partial[task].assign(TokenBufferSize(w.cols, units[u]), 0.0f);
+    TransposedRows(w, kernels, groups, units[u], gradients[u].data(),
+                   Split(w.rows, splits, task % splits), partial[task].data(), failure);
+  });
+  if (failure.failed()) return;
+  ParallelFor(pool, unit_count * splits, [&](int64_t task) {
+    const int64_t u = task / splits;
+    std::vector<const float*> parts(splits);
+    for (int64_t p = 0; p < splits; ++p) parts[p] = partial[u * splits + p].data();
+    store(units[u], parts.data(), splits, Split(w.cols, splits, task % splits));
+  });
+}
+
 }  // namespace qmoe::cpu

@@ -133,4 +133,17 @@ void TransposedRows(const CompressedOperands& w, const RowKernels& kernels,
                     const std::vector<TokenGroup>& groups, const Unit& unit, const float* gradient,
                     RowRange rows, float* sums, FirstFailure& failure);
 
+// Every group's tokens through its matrix: y rows = W · x rows, spread over the pool (units of
+// one matrix's tokens; with fewer units than twice the threads, each unit's rows are split too).
+// A row that fails to decode is recorded in `failure` as group * w.rows + row.
+void RunMatmul(xla::ffi::ThreadPool& pool, const CompressedOperands& w, const RowKernels& kernels,
+               const std::vector<TokenGroup>& groups, const DenseRows& x, const DenseRows& y,
+               FirstFailure& failure);
+
+// The same for the input gradient: dx rows = Wᵀ · g rows (g viewed with width w.rows, dx with
+// w.cols). Nothing is written once a row has failed.
+void RunTransposed(xla::ffi::ThreadPool& pool, const CompressedOperands& w,
+                   const RowKernels& kernels, const std::vector<TokenGroup>& groups,
+                   const DenseRows& g, const DenseRows& dx, FirstFailure& failure);
+
 }  // namespace qmoe::cpu

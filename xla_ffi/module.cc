@@ -6,6 +6,7 @@
 #include "cpu_dense.h"
 #include "cpu_gptq.h"
 #include "cpu_kernels.h"
+#include "cpu_routed.h"
 #include "encoder.h"
 #ifdef QMOE_WITH_CUDA
 #include "cuda_kernels.h"
@@ -26,6 +27,8 @@ py::dict Registrations() {
   cpu["qmoe_matmul"] = Capsule(QmoeMatmulCpu);
   cpu["qmoe_matmul_t"] = Capsule(QmoeMatmulTransposedCpu);
   cpu["qmoe_dequantize"] = Capsule(QmoeDequantizeCpu);
+  cpu["qmoe_matmul_routed"] = Capsule(QmoeMatmulRoutedCpu);
+  cpu["qmoe_matmul_routed_t"] = Capsule(QmoeMatmulRoutedTransposedCpu);
   cpu["qmoe_gptq_block"] = Capsule(QmoeGptqBlockCpu);
   cpu["qmoe_cholesky_base"] = Capsule(QmoeCholeskyBaseCpu);
   cpu["qmoe_dense_matmul"] = Capsule(QmoeDenseMatmulCpu);

@@ -1,5 +1,6 @@
 """Bindings of the fused decode-and-multiply FFI targets (xla_ffi/cpu_kernels.h;
-CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), of
+CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), of the routed products
+on the CPU (xla_ffi/cpu_routed.h: each token through the expert it names), of
 GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``), of the CPU kernel for the
 Cholesky's diagonal blocks (xla_ffi/cpu_cholesky.h, ``cholesky_base_call``) and of the CPU
 product with bfloat16 or int8 dense weights (xla_ffi/cpu_dense.h, ``dense_matmul_call``).
@@ -35,6 +36,8 @@ except ImportError as error:  # pragma: no cover - depends on the installation
 
 MATMUL = "qmoe_matmul"
 MATMUL_TRANSPOSED = "qmoe_matmul_t"
+MATMUL_ROUTED = "qmoe_matmul_routed"
+MATMUL_ROUTED_TRANSPOSED = "qmoe_matmul_routed_t"
 DEQUANTIZE = "qmoe_dequantize"
 GPTQ_BLOCK = "qmoe_gptq_block"
 CHOLESKY_BASE = "qmoe_cholesky_base"
@@ -320,3 +323,51 @@ def _matmul_backward(static, residuals, g):
 
 
 matmul.defvjp(_matmul_forward, _matmul_backward)
+
+
+@functools.lru_cache(maxsize=None)
+def has_routed_kernels(platform: str) -> bool:
+    """Whether the routed products (``matmul_routed``) have a handler on ``platform`` (a jax
+    platform or backend name: "cpu", "gpu", "cuda"): the CPU only (xla_ffi/cpu_routed.h)."""
+    registered = {"gpu": "CUDA", "cuda": "CUDA"}.get(platform.lower(), platform.lower())
+    return MATMUL_ROUTED in qmoe_jax_ext.registrations().get(registered, {})
+
+
+def matmul_routed_call(static: Static, codes, row_offsets, minmax, x, expert_index):
+    """y[N, rows] = W_e·x[n] for x[N, cols] and the stack's expert e = expert_index[n] (int32[N]);
+    zero rows for indexes outside [0, E). CPU only; no autodiff rule (``matmul_routed`` has
+    one). Under vmap the kernel runs once per mapped entry."""
+    rows = minmax.shape[-2]
+    result = jax.ShapeDtypeStruct((x.shape[0], rows), x.dtype)
+    return jax.ffi.ffi_call(MATMUL_ROUTED, result, vmap_method="sequential")(
+        *dictionary_operands(static.dictionary), codes, row_offsets, minmax, x, expert_index
+    )
+
+
+def matmul_routed_transposed_call(static: Static, codes, row_offsets, minmax, g, expert_index):
+    """dx[N, cols] = W_eᵀ·g[n] for g[N, rows]; zero rows for indexes outside [0, E)."""
+    result = jax.ShapeDtypeStruct((g.shape[0], static.cols), g.dtype)
+    return jax.ffi.ffi_call(MATMUL_ROUTED_TRANSPOSED, result, vmap_method="sequential")(
+        *dictionary_operands(static.dictionary), codes, row_offsets, minmax, g, expert_index
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def matmul_routed(static: Static, codes, row_offsets, minmax, x, expert_index):
+    """``matmul_routed_call`` with the input gradient W_eᵀ·g (zero for dropped tokens); W and the
+    indexes get zero cotangents."""
+    return matmul_routed_call(static, codes, row_offsets, minmax, x, expert_index)
+
+
+def _routed_forward(static, codes, row_offsets, minmax, x, expert_index):
+    y = matmul_routed_call(static, codes, row_offsets, minmax, x, expert_index)
+    return y, (codes, row_offsets, minmax, expert_index)
+
+
+def _routed_backward(static, residuals, g):
+    codes, row_offsets, minmax, expert_index = residuals
+    dx = matmul_routed_transposed_call(static, codes, row_offsets, minmax, g, expert_index)
+    return None, None, None, dx, None
+
+
+matmul_routed.defvjp(_routed_forward, _routed_backward)

@@ -8,6 +8,11 @@ sharing a matrix (each row is decoded once for all of them), ``dequantize``
 for the dense bf16 matrix. Sums accumulate in float32; results have the
 dtype of x (float32 or bfloat16).
 
+Routed execution: ``matmul_routed`` takes a sparse layer's tokens as they are, ``[N, cols]``,
+with the index of each token's expert in a stack, and multiplies each by its own expert; no
+``[E, slots, cols]`` buffer is filled (the CPU kernel of xla_ffi/cpu_routed.h; elsewhere a
+gathered form).
+
 Routing-aware execution: ``matvec`` and ``matmul`` take ``counts``, the
 tokens in use of each matrix (int32[E] for a stack, a scalar for a matrix):
 only the first counts[e] tokens of x[e] are computed, the others give zero
@@ -53,6 +58,7 @@ _Core = Callable[..., jax.Array]
 
 cpu_isas = bindings.cpu_isas
 has_cuda_kernels = bindings.has_cuda_kernels
+has_routed_kernels = bindings.has_routed_kernels
 
 
 _FORMAT_DTYPES = (jnp.dtype(jnp.uint16), jnp.dtype(jnp.int32), jnp.dtype(jnp.bfloat16))
@@ -197,6 +203,98 @@ def matmul(w: Compressed, x_tokens, dictionary: Dictionary, counts=None) -> jax.
       [N, rows] (or [E, C, rows]) in the dtype of x_tokens.
     """
     return _apply(bindings.matmul, w, _token_input(w, x_tokens), dictionary, counts)
+
+
+def _routed_operands(w, x_tokens, expert_index) -> tuple[jax.Array, jax.Array]:
+    if not isinstance(w, CompressedExperts):
+        raise TypeError(
+            f"matmul_routed needs a CompressedExperts stack, got {type(w).__name__}; for one "
+            "matrix use matmul"
+        )
+    x_tokens = jnp.asarray(x_tokens)
+    if x_tokens.dtype not in bindings.FLOAT_DTYPES:
+        raise TypeError(
+            f"x_tokens must be float32 or bfloat16, got {x_tokens.dtype}; cast it first"
+        )
+    if x_tokens.ndim != 2 or x_tokens.shape[-1] != w.cols:
+        raise ValueError(
+            f"x_tokens has shape {x_tokens.shape}, but matmul_routed takes [N, {w.cols}] (the "
+            f"stack's W[{w.rows}, {w.cols}] needs {w.cols} columns last)"
+        )
+    expert_index = jnp.asarray(expert_index)
+    if not jnp.issubdtype(expert_index.dtype, jnp.integer):
+        raise TypeError(f"expert_index must be an integer array (int32), got {expert_index.dtype}")
+    if expert_index.shape != x_tokens.shape[:1]:
+        raise ValueError(
+            f"expert_index must be int[{x_tokens.shape[0]}], one expert per token; got shape "
+            f"{expert_index.shape}"
+        )
+    if expert_index.dtype != jnp.int32:  # out of range stays out of range when narrowed
+        expert_index = jnp.where(
+            (expert_index >= 0) & (expert_index < w.num_experts), expert_index, -1
+        ).astype(jnp.int32)
+    return x_tokens, expert_index
+
+
+def _routed_gathered(w: CompressedExperts, x, expert_index, dictionary: Dictionary) -> jax.Array:
+    """``matmul_routed`` without its own kernel: each token's expert gathered out of the stack
+    (one matrix per token) and one ``matmul`` call over the N matrices, with the tokens of
+    indexes out of range not in use."""
+    in_range = (expert_index >= 0) & (expert_index < w.num_experts)
+    stacks = w.take(jnp.clip(expert_index, 0, w.num_experts - 1))
+    return matmul(stacks, x[:, None, :], dictionary, in_range.astype(jnp.int32))[:, 0]
+
+
+def matmul_routed(w: CompressedExperts, x_tokens, expert_index, dictionary: Dictionary):
+    """Y[n] = W_e · x[n] with e = expert_index[n]: each token through the expert it names.
+
+    A sparse layer's expert products with no dispatch buffer: the tokens stay in their order,
+    the kernel groups them by expert, decodes each named expert once for all its tokens and
+    skips the others. Its memory is the N tokens' own, however many experts the stack has and
+    however the tokens spread over them.
+
+    Args:
+      w: CompressedExperts, E matrices W[rows, cols].
+      x_tokens: float32 or bfloat16 [N, cols].
+      expert_index: int[N]; a token whose index is outside [0, E) (one dropped at capacity)
+        gets a zero row, and its input gradient is zero.
+      dictionary: the dictionary ``w`` was encoded with.
+
+    Returns:
+      [N, rows] in the dtype of x_tokens.
+
+    On the CPU this is one call of the routed kernel (xla_ffi/cpu_routed.h). Other platforms
+    have no routed kernel: there each token's expert is gathered out of the stack (its codes,
+    row offsets and min/max, one matrix per token) and ``matmul`` multiplies the N of them,
+    which holds N matrices' codes and decodes an expert once per token.
+    """
+    x_tokens, expert_index = _routed_operands(w, x_tokens, expert_index)
+    static = bindings.Static(dictionary, w.cols)
+    arrays = _frozen_arrays(w)
+
+    def kernel(x, index):
+        return bindings.matmul_routed(static, *arrays, x, index)
+
+    def gathered(x, index):
+        return _routed_gathered(w, x, index, dictionary)
+
+    return jax.lax.platform_dependent(x_tokens, expert_index, cpu=kernel, default=gathered)
+
+
+def matmul_routed_reference(w: CompressedExperts, x_tokens, expert_index, dictionary: Dictionary):
+    """``matmul_routed`` in pure jnp: the stack decoded densely, each token multiplied in float32
+    by its expert's matrix, zeros for indexes out of range."""
+    x_tokens, expert_index = _routed_operands(w, x_tokens, expert_index)
+    dense = _dense_weights(dictionary, *_frozen_arrays(w), w.cols)  # [E, rows, cols]
+    in_range = (expert_index >= 0) & (expert_index < w.num_experts)
+    routed = dense[jnp.clip(expert_index, 0, w.num_experts - 1)]  # [N, rows, cols]
+    y = jnp.einsum(
+        "nc,nrc->nr",
+        x_tokens.astype(jnp.float32),
+        routed,
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return jnp.where(in_range[:, None], y, 0.0).astype(x_tokens.dtype)
 
 
 def dequantize(w: Compressed, dictionary: Dictionary) -> jax.Array:

@@ -1,5 +1,5 @@
 """Garbage kernel operands, run as a program: every FFI target on random codes,
-row offsets, dictionaries and counts, under each instruction set named in the
+row offsets, dictionaries, counts and expert indexes, under each instruction set named in the
 JSON list $ISAS. Prints one JSON line: outcomes (error / ok, and exact / wrong
 for good operands with garbage counts) and the first line of each error.
 
@@ -35,6 +35,11 @@ def call(target, dense, result, dictionary_forms, codes, offsets, minmax, **attr
     return np.asarray(fn(*dictionary_forms, codes, offsets, minmax, *dense, **attributes))
 
 
+def garbage_index(tokens: int) -> np.ndarray:
+    """int32[tokens] expert indexes: in range for a stack of 2, past it, negative, the extremes."""
+    return rng.choice(np.array([-(2**31), -1, 0, 1, 2, 2**31 - 1], np.int32), tokens)
+
+
 def run_all(forms, codes, offsets, minmax):
     batch = codes.shape[:-1]
     x = rng.standard_normal((*batch, 5, cols)).astype(np.float32)
@@ -63,6 +68,20 @@ def run_all(forms, codes, offsets, minmax):
             (),
             jax.ShapeDtypeStruct((*batch, rows, cols), jnp.bfloat16),
             dict(cols=np.int64(cols)),
+        ),
+        # The routed products: tokens [6, width] naming experts of the stack (garbage indexes
+        # among them); without a batch dim minmax is no stack, which must be an error too.
+        (
+            "qmoe_matmul_routed",
+            (x.reshape(-1, cols)[:6], garbage_index(6)),
+            jax.ShapeDtypeStruct((6, rows), jnp.float32),
+            {},
+        ),
+        (
+            "qmoe_matmul_routed_t",
+            (rng.standard_normal((6, rows)).astype(np.float32), garbage_index(6)),
+            jax.ShapeDtypeStruct((6, cols), jnp.float32),
+            {},
         ),
     ]
     for target, dense, result, attributes in cases:
@@ -136,5 +155,14 @@ for rows, cols, n_codes, cases in ((7, 33, 40, 60), (5, 1500, 420, 28)):
                 continue
             in_use = np.arange(5) < np.clip(counts.astype(np.int64), 0, 5)[:, None]
             expected = np.where(in_use[..., None], x @ good_dense.T, 0)
+            outcomes["exact" if np.allclose(y, expected, rtol=1e-5, atol=1e-5) else "wrong"] += 1
+        # Good operands, garbage indexes: tokens naming an expert exact, the others zero.
+        for _ in range(10):
+            index = garbage_index(6)
+            x = rng.standard_normal((6, cols)).astype(np.float32)
+            result = jax.ShapeDtypeStruct((6, rows), jnp.float32)
+            y = call("qmoe_matmul_routed", (x, index), result, (masks, slots, words), *stack)
+            named = (index >= 0) & (index < 3)
+            expected = np.where(named[:, None], x @ good_dense.T, 0)
             outcomes["exact" if np.allclose(y, expected, rtol=1e-5, atol=1e-5) else "wrong"] += 1
 print(json.dumps(dict(outcomes=outcomes, messages=sorted(messages))))

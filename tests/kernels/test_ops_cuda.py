@@ -47,8 +47,15 @@ needs_gpu = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reas
 
 def test_cuda_targets_registered_iff_built_with_cuda():
     registrations = qmoe_jax_ext.registrations()
-    # GPTQ's block kernel, the Cholesky's base kernel and the packed dense product are CPU-only
-    cpu_only = {"qmoe_gptq_block", "qmoe_cholesky_base", "qmoe_dense_matmul"}
+    # GPTQ's block kernel, the Cholesky's base kernel, the packed dense product and the routed
+    # products are CPU-only
+    cpu_only = {
+        "qmoe_gptq_block",
+        "qmoe_cholesky_base",
+        "qmoe_dense_matmul",
+        "qmoe_matmul_routed",
+        "qmoe_matmul_routed_t",
+    }
     assert set(registrations["cpu"]) == TARGETS | cpu_only
     assert ("CUDA" in registrations) == ops.has_cuda_kernels()
     if ops.has_cuda_kernels():
