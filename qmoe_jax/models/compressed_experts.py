@@ -15,6 +15,11 @@ Optional expert LoRA (``models/lora.py``): when the tree holds adapters at
 frozen part stays one fused call per kernel and layer, the adapters one batched
 einsum pair over the experts. Without adapters nothing changes.
 
+On the CPU every call is routed (``routes_tokens``): the MoE layer passes its tokens as they are,
+each with its expert's index, and each kernel is one ``ops.matmul_routed`` call on the stacks, which
+decodes each named expert once for all its tokens; no dispatch buffer exists, however many experts
+the layer has (docs/inference.md). Elsewhere, or with ``routed=False``:
+
 Few tokens (decoding; ``default_per_token_limit``) take the MoE layer's per-token path: each token's
 expert is gathered out of the stacks (one expert's codes, row offsets and min/max per token and
 kernel; 0.25 MB at switch-base's shapes) and one kernel call multiplies the N tokens by their N
@@ -66,15 +71,30 @@ class CompressedMlpExperts(nn.Module):
       mesh: expert parallelism: the stacks are sharded over this mesh's
         ``expert`` axis, and each device multiplies the tokens dispatched to its
         own experts (``ops.expert_parallel``); None runs every expert here.
-      per_token_limit: calls of at most this many tokens multiply each token by its own expert,
-        gathered out of the stacks (the per-token path); 0 always dispatches. None (default):
-        ``default_per_token_limit(E)``, and 0 with a mesh.
+      per_token_limit: where calls are not routed: calls of at most this many tokens multiply
+        each token by its own expert, gathered out of the stacks (the per-token path); 0 always
+        dispatches. None (default): ``default_per_token_limit(E)``, and 0 with a mesh.
+      routed: every call multiplies the tokens where they are by the experts they name, with
+        the routed kernel (``ops.matmul_routed``), and no dispatch buffer exists. None (default):
+        where the routed kernel runs (the CPU) and without a mesh. A platform without the
+        kernel runs its gathered form (one expert's codes per token), so there False, the
+        dispatch above ``per_token_limit`` tokens, is the better choice for long calls.
     """
 
     config: SwitchConfig
     dictionaries: Mapping[str, Dictionary]
     mesh: jax.sharding.Mesh | None = None
     per_token_limit: int | None = None
+    routed: bool | None = None
+
+    @property
+    def routes_tokens(self) -> bool:
+        """Whether every call takes the tokens as they are, each with its expert's index
+        (``MoeLayer`` reads it): ``routed``, or by default wherever the routed kernel runs (the
+        CPU) and the experts are not sharded."""
+        if self.routed is not None:
+            return self.routed
+        return self.mesh is None and ops.has_routed_kernels(jax.default_backend())
 
     @property
     def gather_tokens(self) -> int:
@@ -154,18 +174,35 @@ class CompressedMlpExperts(nn.Module):
             stacks = {name: self._kernel(name) for name in kernel_names(self.config)}
             matmul = ops.matmul if self.mesh is None else ops.expert_parallel(ops.matmul, self.mesh)
             return self._mlp(stacks, adapters, expert_inputs, enable_dropout, matmul, counts)
-        # The per-token path: tokens [N, d] through each token's own expert (expert_index
-        # int32[N]), as N stacks of one token each.
+        # Tokens [N, d] through each token's own expert (expert_index int32[N]).
         if self.mesh is not None:
             raise ValueError(
-                "the per-token path gathers experts on one device, and this layer's experts are "
-                "sharded over a mesh: leave per_token_limit at None (or 0) with a mesh"
+                "the per-token and routed paths take experts on one device, and this layer's "
+                "experts are sharded over a mesh: leave per_token_limit and routed at None (or 0 "
+                "and False) with a mesh"
             )
         expert_index = expert_index.astype(jnp.int32)
+        # An index out of range (a dropped token) reads adapter E - 1; its output is scaled by 0.
         routed_adapters = {
-            name: {part: array[expert_index] for part, array in adapter.items()}
+            name: {
+                part: jnp.take(array, expert_index, axis=0, mode="clip")
+                for part, array in adapter.items()
+            }
             for name, adapter in adapters.items()
         }
+        if self.routes_tokens:
+            # The routed kernel on the stacks themselves: [N, d] stays [N, d], each expert named
+            # decoded once for all its tokens.
+            stacks = {name: self._kernel(name) for name in kernel_names(self.config)}
+
+            def routed(w, x, dictionary, counts=None):
+                return ops.matmul_routed(w, x[:, 0], expert_index, dictionary)[:, None]
+
+            return self._mlp(
+                stacks, routed_adapters, expert_inputs[:, None, :], enable_dropout, routed
+            )[:, 0]
+        # The per-token path: each token's expert gathered out of the stacks, N stacks of one
+        # token each.
         stacks = self._routed_stacks(expert_index)
         return self._mlp(stacks, routed_adapters, expert_inputs[:, None, :], enable_dropout)[:, 0]
 

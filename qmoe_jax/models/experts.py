@@ -16,6 +16,9 @@ implements to drop in):
 * optionally, per-token execution: a layer with an attribute ``gather_tokens``
   > 0 is called as ``experts(tokens [N, d], expert_index=int32[N])`` -> ``[N, d]``
   when a call routes at most that many tokens;
+* optionally, routed execution: a layer whose attribute ``routes_tokens`` is True
+  is called that way for every call, with index E for a token dropped at capacity
+  (its output row is scaled by 0, so it must be finite);
 * parameters (or other variables) live under the module, so they appear in
   the tree as ``.../mlp/expert/...``. The dense layer has T5X's
   ``wi/kernel [E, d, f]`` and ``wo/kernel [E, f, d]`` (``wi_0``/``wi_1`` when

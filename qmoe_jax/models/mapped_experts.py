@@ -12,14 +12,19 @@ experts' pages and releases those of experts unused for longest (``touch``
 of ``inference.mapped_params.ExpertResidency``). The kernels take what the host
 returns, so they cannot run before it.
 
-Few tokens (decoding; at most ``per_token_limit``, 16) take the per-token path of
-the MoE layer: the host returns each token's expert copied out of the
-mapping (``gather``; one expert's codes, e.g. 2.4 MB at c-2048's shapes), and
-one kernel call multiplies the N tokens by their N experts. With 2048
-experts per layer this avoids the ``[E, slots, d_ff]`` buffers of the
-dispatch path. It is a host copy rather than an XLA gather from the mapped
-stack because XLA on CPU read the gathered stack before the callback that
-checks the file had run (a truncated file then faulted).
+On the CPU every call is routed (``CompressedMlpExperts.routes_tokens``): the
+callback gets the tokens' expert indexes with the routed experts' counts, and
+the routed kernel takes the indexes it returns and reads the routed experts
+straight from the mapping, with no dispatch buffer.
+
+Where calls are not routed (``routed=False``), few tokens (decoding; at most
+``per_token_limit``, 16) take the per-token path of the MoE layer: the host
+returns each token's expert copied out of the mapping (``gather``; one
+expert's codes, e.g. 2.4 MB at c-2048's shapes), and one kernel call
+multiplies the N tokens by their N experts. It is a host copy rather than an
+XLA gather from the mapped stack because XLA on CPU read the gathered stack
+before the callback that checks the file had run (a truncated file then
+faulted).
 """
 
 from __future__ import annotations
@@ -59,7 +64,19 @@ class MappedMlpExperts(CompressedMlpExperts):
         enable_dropout: bool = False,
         expert_index: jax.Array | None = None,
     ) -> jax.Array:
-        if expert_index is None:
+        if expert_index is not None and self.routes_tokens:
+            # The routed kernel reads the mapped stacks where they are: it takes the index back
+            # from the callback, so that it cannot run before the host has checked the files.
+            touched = expert_index.astype(jnp.int32)
+            expert_counts = jnp.bincount(touched, length=self.config.num_experts).astype(jnp.int32)
+            expert_index = jax.pure_callback(
+                functools.partial(_touch_routed, self.residency, self._layer()),
+                jax.ShapeDtypeStruct(touched.shape, jnp.int32),
+                expert_counts,
+                touched,
+                vmap_method="sequential",
+            )
+        elif expert_index is None:
             if counts is None:
                 counts = jnp.full((expert_inputs.shape[0],), expert_inputs.shape[1], jnp.int32)
             counts = jax.pure_callback(
@@ -92,6 +109,13 @@ class MappedMlpExperts(CompressedMlpExperts):
         return {
             name: CompressedExperts(*gathered[name], stack.cols) for name, stack in stacks.items()
         }
+
+
+def _touch_routed(residency: Any, layer: str, counts, expert_index):
+    """``residency.touch`` for a routed call's experts (``counts`` int32[E]); returns the tokens'
+    expert indexes for the kernel."""
+    residency.touch(layer, counts)
+    return expert_index
 
 
 def mapped_experts_cls(

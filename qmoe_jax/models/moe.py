@@ -15,7 +15,11 @@ numbers as T5X's ``g*C + position``.
 
 For few tokens (decoding), an expert layer that offers it (``gather_tokens``,
 e.g. the dense ``MlpExperts``) instead multiplies each token by its own expert's
-gathered kernels, with no buffer at all; dropped tokens are still zeroed.
+gathered kernels, with no buffer at all; dropped tokens are still zeroed. An expert
+layer that routes (``routes_tokens``, the compressed experts on the CPU) takes every
+call that way: the N tokens as they are, each with its expert's index (E for a
+dropped token), so no call holds a buffer of E · G · C rows, which with many experts
+is far larger than the N tokens (docs/inference.md).
 
 Router (T5X ``TokensChooseMaskedRouter`` without batch-prioritized routing):
 ``probs = softmax(x · W_r)`` in float32, expert = argmax, gate = the raw top-1
@@ -226,10 +230,16 @@ class MoeLayer(nn.Module):
         grouped = x.reshape(groups, per_group, width)
         routing = route_top1(Router(cfg, name="router")(grouped), slots)
         experts = self.experts_cls(config=cfg, name="expert")
-        if tokens <= getattr(experts, "gather_tokens", 0):
+        routed = getattr(experts, "routes_tokens", False)
+        if routed or tokens <= getattr(experts, "gather_tokens", 0):
+            expert_index = routing.expert_index.reshape(tokens)
+            if routed:  # a dropped token names no expert, and costs nothing
+                expert_index = jnp.where(
+                    routing.kept.reshape(tokens), expert_index, cfg.num_experts
+                )
             outputs = experts(
                 grouped.reshape(tokens, width).astype(cfg.jnp_dtype),
-                expert_index=routing.expert_index.reshape(tokens),
+                expert_index=expert_index,
                 enable_dropout=enable_dropout,
             )
             scale = jnp.where(routing.kept, routing.gate, 0.0).reshape(tokens, 1)

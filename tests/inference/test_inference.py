@@ -35,9 +35,9 @@ def prompts_and_targets(count=6, seed=0):
 
 
 def assert_forms_agree(directory, examples, batch_sizes=(1, 8)):
-    """Fused kernels that skip unused experts and slots (dispatched, and gathered per token), dense
-    experts gathered per token, and T5X's all-expert einsum: the same loss (1e-4) and the same
-    greedy tokens at each batch size."""
+    """Fused kernels (routed, the default on the CPU; dispatched, skipping unused experts and
+    slots; and gathered per token), dense experts gathered per token, and T5X's all-expert
+    einsum: the same loss (1e-4) and the same greedy tokens at each batch size."""
     fused, dense = open_model(directory), open_model(directory, experts="dense")
     assert (fused.kind, fused.experts, dense.experts) == ("compressed", "compressed", "dense")
     t5x = dataclasses.replace(
@@ -46,13 +46,13 @@ def assert_forms_agree(directory, examples, batch_sizes=(1, 8)):
             dense.config, experts_cls=functools.partial(MlpExperts, gather_tokens=0)
         ),
     )
-    per_token = dataclasses.replace(
-        fused,
-        module=fused.module.clone(
-            experts_cls=functools.partial(fused.module.experts_cls, per_token_limit=64)
-        ),
-    )
-    forms = (fused, dense, t5x, per_token)
+    def fused_with(**fields):
+        experts_cls = functools.partial(fused.module.experts_cls, **fields)
+        return dataclasses.replace(fused, module=fused.module.clone(experts_cls=experts_cls))
+
+    per_token = fused_with(routed=False, per_token_limit=64)
+    dispatched = fused_with(routed=False, per_token_limit=0)
+    forms = (fused, dense, t5x, per_token, dispatched)
     losses = [mean_cross_entropy(m.module, m.params, examples, batch_size=4) for m in forms]
     assert max(losses) - min(losses) <= 1e-4, losses
     encoder_tokens = np.stack([inputs for inputs, _ in examples])
@@ -70,6 +70,9 @@ def assert_forms_agree(directory, examples, batch_sizes=(1, 8)):
         )
         np.testing.assert_array_equal(
             tokens[3], tokens[2], err_msg=f"batch {size}: fused per token vs T5X layout"
+        )
+        np.testing.assert_array_equal(
+            tokens[4], tokens[2], err_msg=f"batch {size}: fused dispatched vs T5X layout"
         )
 
 

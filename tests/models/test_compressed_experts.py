@@ -1,6 +1,6 @@
-"""The compressed expert layer's two paths through the MoE layer: tokens dispatched into the
-``[E, slots, d]`` buffer, and each token multiplied by its own expert gathered out of the stacks
-(the per-token path, taken while decoding)."""
+"""The compressed expert layer's three paths through the MoE layer: the tokens routed as they are
+(the routed kernel, the default on the CPU), tokens dispatched into the ``[E, slots, d]`` buffer,
+and each token multiplied by its own expert gathered out of the stacks (the per-token path)."""
 
 import dataclasses
 import functools
@@ -69,15 +69,20 @@ def test_per_token_path_matches_dispatch(layer_params, dictionary, with_adapters
     if with_adapters:
         params = {**params, "expert": {**params["expert"], LORA: adapters}}
     x = jax.random.normal(jax.random.PRNGKey(batch), (batch, 1, CONFIG.d_model))
-    dispatched = apply(params, x, dictionary, per_token_limit=0)
-    per_token = apply(params, x, dictionary, per_token_limit=batch)
+    dispatched = apply(params, x, dictionary, per_token_limit=0, routed=False)
+    per_token = apply(params, x, dictionary, per_token_limit=batch, routed=False)
+    routed = apply(params, x, dictionary)
     np.testing.assert_allclose(per_token, dispatched, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(routed, dispatched, rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(per_token)).min(axis=-1).max() > 0  # every token reached an expert
 
-    def loss(x, limit):
-        return jnp.sum(jnp.sin(apply(params, x, dictionary, per_token_limit=limit)))
+    def loss(x, **fields):
+        return jnp.sum(jnp.sin(apply(params, x, dictionary, **fields)))
 
-    np.testing.assert_allclose(jax.grad(loss)(x, batch), jax.grad(loss)(x, 0), rtol=1e-5, atol=1e-6)
+    expected = jax.grad(loss)(x, per_token_limit=0, routed=False)
+    gathered = jax.grad(loss)(x, per_token_limit=batch, routed=False)
+    np.testing.assert_allclose(gathered, expected, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-5, atol=1e-6)
 
 
 def test_per_token_path_reads_each_tokens_own_expert(layer_params, dictionary):
@@ -87,7 +92,7 @@ def test_per_token_path_reads_each_tokens_own_expert(layer_params, dictionary):
     logits = np.asarray(x[:, 0]) @ params["router"]["router_weights"]["w"]["kernel"]
     chosen = logits.argmax(-1)
     assert chosen[0] != chosen[1]
-    before = apply(params, x, dictionary, per_token_limit=2)
+    before = apply(params, x, dictionary, per_token_limit=2, routed=False)
     swapped = {}
     for name, stack in params["expert"].items():
         order = np.arange(CONFIG.num_experts)
@@ -95,10 +100,12 @@ def test_per_token_path_reads_each_tokens_own_expert(layer_params, dictionary):
         swapped[name] = type(stack)(
             stack.codes[order], stack.row_offsets[order], stack.minmax[order], stack.cols
         )
-    after = apply({**params, "expert": swapped}, x, dictionary, per_token_limit=2)
-    expected = apply({**params, "expert": swapped}, x, dictionary, per_token_limit=0)
+    after = apply({**params, "expert": swapped}, x, dictionary, per_token_limit=2, routed=False)
+    expected = apply({**params, "expert": swapped}, x, dictionary, per_token_limit=0, routed=False)
     np.testing.assert_allclose(after, expected, rtol=1e-6, atol=1e-6)
     assert not np.allclose(after[0], before[0]) and not np.allclose(after[1], before[1])
+    routed = apply({**params, "expert": swapped}, x, dictionary)
+    np.testing.assert_allclose(routed, expected, rtol=1e-6, atol=1e-6)
 
 
 def test_default_limit_follows_the_experts():
@@ -123,3 +130,69 @@ def test_expert_mesh_keeps_dispatching(layer_params, dictionary):
     x = jnp.ones((1, 1, CONFIG.d_model))
     with pytest.raises(ValueError, match="sharded over a mesh"):
         apply(params, x, dictionary, mesh=mesh, per_token_limit=1)
+
+
+# T5X's grouping (G >= E groups once N is a multiple of E) with little capacity: 64 tokens in
+# 16 groups of 4, 2 slots per expert and group, so tokens are dropped, several tokens share an
+# expert, and the dispatch buffer has E * G * 2 = 512 rows for the 64 tokens.
+T5X_GROUPS = dataclasses.replace(
+    CONFIG, groups_multiple_of_experts=True, eval_capacity_factor=1.0, min_expert_capacity=2
+)
+
+
+def apply_with(config, params, x, dictionary, **fields):
+    layer = MoeLayer(
+        config, functools.partial(CompressedMlpExperts, dictionaries={"": dictionary}, **fields)
+    )
+    return jax.jit(lambda p, x: layer.apply({"params": p}, x, mutable=["intermediates"]))(params, x)
+
+
+def test_routed_path_matches_dispatch_with_drops(layer_params, dictionary):
+    params, adapters = layer_params
+    params = {**params, "expert": {**params["expert"], LORA: adapters}}
+    # Tokens near each other route alike, so that some experts overflow their 2 slots.
+    x = jax.random.normal(jax.random.PRNGKey(0), (4, 1, CONFIG.d_model))
+    x = x + 0.3 * jax.random.normal(jax.random.PRNGKey(1), (4, 16, CONFIG.d_model))
+    dispatched, dispatched_metrics = apply_with(
+        T5X_GROUPS, params, x, dictionary, per_token_limit=0, routed=False
+    )
+    routed, routed_metrics = apply_with(T5X_GROUPS, params, x, dictionary)
+    np.testing.assert_allclose(routed, dispatched, rtol=1e-6, atol=1e-6)
+    flat = jax.tree.leaves(routed_metrics)
+    np.testing.assert_allclose(flat, jax.tree.leaves(dispatched_metrics), rtol=1e-6)
+    dropped = np.abs(np.asarray(routed)).max(axis=-1) == 0
+    assert 0 < dropped.sum() < dropped.size  # some tokens dropped, most kept
+
+    def loss(x, **fields):
+        return jnp.sum(jnp.sin(apply_with(T5X_GROUPS, params, x, dictionary, **fields)[0]))
+
+    expected = jax.grad(loss)(x, per_token_limit=0, routed=False)
+    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_routed_program_has_no_dispatch_buffer(layer_params, dictionary):
+    """The dispatch path's [E * G * slots, d] buffer (512 rows here) is in its program and not in
+    the routed one, which holds the 64 tokens' rows."""
+    params, _ = layer_params
+    x = jnp.ones((4, 16, CONFIG.d_model))
+
+    def program(**fields):
+        layer = MoeLayer(
+            T5X_GROUPS,
+            functools.partial(CompressedMlpExperts, dictionaries={"": dictionary}, **fields),
+        )
+        return jax.jit(lambda p, x: layer.apply({"params": p}, x)).lower(params, x).as_text()
+
+    buffer = f"512x{CONFIG.d_model}xf32"
+    assert buffer in program(per_token_limit=0, routed=False)
+    routed = program()
+    assert buffer not in routed
+    assert routed.count("custom_call @qmoe_matmul_routed") == 3  # wi_0, wi_1, wo
+
+
+def test_routed_by_default_on_the_cpu_only_without_a_mesh():
+    layer = compressed_experts_cls({})(config=CONFIG)
+    assert layer.routes_tokens == (jax.default_backend() == "cpu")
+    assert not compressed_experts_cls({})(config=CONFIG, routed=False).routes_tokens
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
+    assert not compressed_experts_cls({}, mesh)(config=CONFIG).routes_tokens
