@@ -1,6 +1,6 @@
 """One sparse decoder layer of stock T5X at ``t5x.infer``'s decoding shapes: the compressed layer
-(interop/t5x_moe.py) as it runs by default (each token multiplied by its own expert's gathered
-codes), the same layer on flaxformer's dispatch computing only the capacity slots in use
+(interop/t5x_moe.py) as it runs by default (each token multiplied by its own expert, on the CPU
+with the routed kernel), the same layer on flaxformer's dispatch computing only the capacity slots in use
 (``per_token_limit=0``) or every slot, and flaxformer's own ``MoeLayer`` on the dequantized
 float32 experts.
 

@@ -120,3 +120,19 @@ def each_token_its_expert(
         return project("wo", hidden)[None]
 
     return on_rows_in_use(mlp, x[None], 1, labels=expert_index[None])[0]
+
+
+def each_token_routed(
+    weights: dict, dictionary, kernels: list, x: jax.Array, expert_index: jax.Array
+) -> jax.Array:
+    """``each_token_its_expert`` with the routed kernel (``ops.matmul_routed``): the tokens stay
+    where they are and each expert named is decoded once for all its tokens; nothing is
+    gathered. Zero tokens and indexes out of range give zero rows and are not computed."""
+    num_experts = weights["wo"].num_experts
+    index = jnp.where(jnp.any(x != 0, axis=-1), expert_index.astype(jnp.int32), num_experts)
+
+    def project(kernel: str, h: jax.Array) -> jax.Array:
+        return ops.matmul_routed(weights[kernel], h, index, dictionary)
+
+    hidden = hidden_units(lambda name: project(name, x), kernels)
+    return project("wo", hidden)

@@ -36,14 +36,19 @@ with every slot's up to float32 rounding: the kernels add a lone token's
 products in another order than a block of tokens'. ``skip_empty_slots=False``
 computes every slot too (benchmarks/t5x_decode.py compares the two).
 
-A call of few tokens without dropout (up to ``per_token_limit``, by default E: a decoding step
-of up to E sequences, which flaxformer pads to E groups of one token) takes the per-token path
-instead: flaxformer's router gives each token its expert and gate (and the metrics it sows), and
-each nonzero token is multiplied by its own expert's codes, gathered out of the stacks
-(``slot_rows.each_token_its_expert``), then scaled by its gate; a dropped token gets 0. The
-``[G, E, C, H]`` dispatch and combine, E² · C · H values however few tokens are real, are not
-built. The path needs a top-1 ``TokensChooseMaskedRouter``, an MLP that maps zero to zero and
-experts held whole on each device; otherwise the dispatch above runs.
+A call without dropout can take the per-token path instead: flaxformer's router gives each
+token its expert and gate (and the metrics it sows), each nonzero token that was not dropped is
+multiplied by its own expert, then scaled by its gate; a dropped token gets 0. The
+``[G, E, C, H]`` dispatch and combine, E² · C · H values once the groups reach E, are not built.
+On the CPU the routed kernel (``ops.matmul_routed``; ``slot_rows.each_token_routed``) does the
+products with the tokens where they are, each expert named decoded once for all its tokens, so
+every such call takes the path: decoding steps, and ``t5x.eval``'s and ``t5x.infer``'s scoring
+and prefill. Elsewhere each token's expert codes are gathered out of the stacks
+(``slot_rows.each_token_its_expert``), which pays off for few tokens only: calls of up to E
+tokens (a decoding step of up to E sequences, which flaxformer pads to E groups of one token).
+``per_token_limit`` sets the limit on every platform (0: never). The path needs a top-1
+``TokensChooseMaskedRouter``, an MLP that maps zero to zero and experts held whole on each
+device; otherwise the dispatch above runs, as it does for training with dropout.
 
 The layer needs each sparse layer's code shapes when T5X initializes the model
 (abstractly, before the checkpoint is read): it reads them, and the layer's
@@ -60,12 +65,10 @@ installed; the gin files of ``configs/t5x/`` do.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from absl import logging
 from flax.linen import partitioning as flax_partitioning
 from flaxformer.architectures.moe import moe_layers, routing
 from flaxformer.components import dense
@@ -73,10 +76,12 @@ from flaxformer.components import dense
 from qmoe_jax.codec import CompressedExperts
 from qmoe_jax.interop.slot_rows import (
     each_token_its_expert,
+    each_token_routed,
     hidden_units,
     maps_zero_to_zero,
     on_rows_in_use,
 )
+from qmoe_jax.interop.t5x_expert_matmul import expert_matmul, local_matmul
 from qmoe_jax.interop.t5x_layout import (
     ARRAYS,
     COLLECTION,
@@ -141,17 +146,6 @@ class CompressedKernelVariables(nn.Module):
         )
 
 
-def _context_mesh() -> jax.sharding.Mesh | None:
-    """The mesh T5X partitions with (its partitioned functions run under ``with mesh:``)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if not mesh.empty:
-        return mesh
-    from jax._src import mesh as mesh_lib
-
-    physical = mesh_lib.thread_resources.env.physical_mesh
-    return None if physical.empty else physical
-
-
 class CompressedMoeLayer(moe_layers.MoeLayer):
     """``MoeLayer`` whose experts run from compressed codes on the fused kernels.
 
@@ -161,8 +155,9 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
       skip_empty_slots: compute only the capacity slots a token fills (the module's
         docstring); False computes every slot.
       per_token_limit: calls of at most this many tokens (flaxformer's padding included)
-        without dropout take the per-token path (the module's docstring); None: the number of
-        experts, which a decoding step of up to E sequences is padded to; 0: never.
+        without dropout take the per-token path (the module's docstring); None: every call
+        where the routed kernel runs (the CPU), elsewhere the number of experts, which a
+        decoding step of up to E sequences is padded to; 0: never.
     """
 
     checkpoint: str = ""
@@ -233,20 +228,23 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
     def _mask_and_dispatch_to_experts(
         self, token_inputs, enable_dropout: bool, expert_capacity: int, **kwargs
     ):
-        """flaxformer's masked routing, dispatch and combine; for few tokens, each token
-        multiplied by its own expert's gathered codes instead of the ``[G, E, C, H]`` dispatch."""
+        """flaxformer's masked routing, dispatch and combine; on the per-token path, each token
+        multiplied by its own expert instead of the ``[G, E, C, H]`` dispatch."""
         num_groups, tokens_per_group, *hidden_dims = token_inputs.shape
         tokens = num_groups * tokens_per_group
-        limit = self.num_experts if self.per_token_limit is None else self.per_token_limit
+        if self.per_token_limit is not None:
+            within_limit = tokens <= self.per_token_limit
+        else:  # the routed kernel gathers nothing, so it takes calls of any size
+            within_limit = self._routed() or tokens <= self.num_experts
         per_token = (
-            tokens <= limit
+            within_limit
             and not enable_dropout
             and len(hidden_dims) == 1
             and self.skip_empty_slots
             and maps_zero_to_zero(self.expert.activations)
             and isinstance(self.router, routing.TokensChooseMaskedRouter)
             and self.router.num_selected_experts == 1
-            and self._expert_matmul()[0] is _local_matmul
+            and expert_matmul(".".join(self.path))[0] is local_matmul
         )
         if not per_token:
             return super()._mask_and_dispatch_to_experts(
@@ -256,10 +254,13 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
             token_inputs, self.num_experts, expert_capacity, apply_jitter=False
         )
         self._sow_dispatch_metrics(router_mask, token_inputs, expert_capacity)
-        # A kept token has one nonzero combine entry, its gate; a dropped one none.
+        # A kept token has one nonzero combine entry, its gate; a dropped one none, and it
+        # names no expert (index E).
         gates = router_mask.combine_array.sum(-1).reshape(tokens, self.num_experts)
-        outputs = self._token_experts(token_inputs.reshape(tokens, -1), jnp.argmax(gates, -1))
-        combined = outputs * gates.sum(-1, keepdims=True)
+        gate = gates.sum(-1, keepdims=True)
+        expert_index = jnp.where(gate[:, 0] > 0, jnp.argmax(gates, -1), self.num_experts)
+        outputs = self._token_experts(token_inputs.reshape(tokens, -1), expert_index)
+        combined = outputs * gate
         return combined.reshape(num_groups, tokens_per_group, -1)
 
     def _sow_dispatch_metrics(self, router_mask, token_inputs, expert_capacity: int) -> None:
@@ -286,10 +287,17 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         if found is None:
             return jnp.zeros_like(x)
         weights, dictionary, kernels = found
-        out = each_token_its_expert(
+        products = each_token_routed if self._routed() else each_token_its_expert
+        out = products(
             weights, dictionary, kernels, jax.lax.convert_element_type(x, self.dtype), expert_index
         )
         return jax.lax.convert_element_type(out, x.dtype)
+
+    @staticmethod
+    def _routed() -> bool:
+        """Whether the routed kernel runs here (the CPU): the per-token path then gathers
+        nothing, and takes calls of any size."""
+        return ops.has_routed_kernels(jax.default_backend())
 
     def _expert_weights(self, hidden: int):
         """``(weights, dictionary, kernels)``: each expert kernel's ``CompressedExperts``
@@ -378,7 +386,7 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         if found is None:
             return jnp.zeros_like(x)
         weights, dictionary, kernels = found
-        matmul, blocks = self._expert_matmul()
+        matmul, blocks = expert_matmul(".".join(self.path))
         # MlpBlock's dropouts: each expert's mask is broadcast along its tokens. The intermediate
         # one is drawn here, on ones of the mask's shape (the same random bits as on the hidden
         # activations), so that the MLP below holds no module call and can run in lax.switch.
@@ -406,54 +414,6 @@ class CompressedMoeLayer(moe_layers.MoeLayer):
         return nn.Dropout(rate=expert.final_dropout_rate, broadcast_dims=(-2,))(
             out, deterministic=not enable_dropout
         )
-
-    def _expert_matmul(self):
-        """``(matmul, blocks)``: ``matmul(w, x, dictionary, counts)`` is ``ops.matmul``,
-        expert-local under ``jax.shard_map`` when the experts are sharded, with ``counts``
-        ``int32[E, blocks]`` counting the rows in use of each expert's ``blocks`` blocks of rows
-        (one per device along the ``expert_replicas`` axis) or None."""
-        mesh = _context_mesh()
-        if mesh is None:
-            return _local_matmul, 1
-        spec = flax_partitioning.logical_to_mesh_axes(("expert", "expert_replicas", "unmodeled"))
-        experts_axis, replicas_axis = (spec[0], spec[1]) if spec is not None else (None, None)
-
-        def size(axis) -> int:
-            names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-            return math.prod(mesh.shape[n] for n in names)
-
-        if size(experts_axis) * size(replicas_axis) == 1:
-            return _local_matmul, 1
-        logging.info(
-            "qmoe_jax: compressed experts of %s run expert-locally over mesh axes %s (%d devices) "
-            "and %s (%d devices)",
-            ".".join(self.path),
-            experts_axis,
-            size(experts_axis),
-            replicas_axis,
-            size(replicas_axis),
-        )
-        weights_spec = jax.sharding.PartitionSpec(experts_axis)
-        tokens_spec = jax.sharding.PartitionSpec(experts_axis, replicas_axis)
-
-        def sharded(w: CompressedExperts, x: jax.Array, dictionary, counts) -> jax.Array:
-            # check_vma=False: FFI results carry no varying-axes type (as ops.expert_parallel).
-            arrays = (w, x) if counts is None else (w, x, counts)
-            specs = (weights_spec, tokens_spec, tokens_spec)[: len(arrays)]
-            return jax.shard_map(
-                lambda w, x, *counts: _local_matmul(w, x, dictionary, *counts),
-                mesh=mesh,
-                in_specs=specs,
-                out_specs=tokens_spec,
-                check_vma=False,
-            )(*arrays)
-
-        return sharded, size(replicas_axis)
-
-
-def _local_matmul(w: CompressedExperts, x: jax.Array, dictionary, counts=None) -> jax.Array:
-    """``ops.matmul`` with ``counts int32[E, 1]`` (one block of rows per expert) or None."""
-    return ops.matmul(w, x, dictionary, None if counts is None else counts.reshape(-1))
 
 
 def switch_moe_layer(config, activations=("relu",)) -> moe_layers.MoeLayer:

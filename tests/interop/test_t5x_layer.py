@@ -3,6 +3,7 @@ on the dequantized experts, and the gin files that swap it into flaxformer's Swi
 
 import dataclasses
 import os
+import re
 
 import pytest
 from helpers.t5x_env import skip_without_t5x, source_roots
@@ -175,8 +176,9 @@ def test_a_decoding_step_takes_each_tokens_own_expert_with_flaxformers_numbers(
     compressed_tiny, batch
 ):
     """A decoding step's tokens, padded by flaxformer to one per group, each multiply their own
-    expert's gathered codes: flaxformer's outputs and sown metrics, and no ``[G, E, C, H]``
-    dispatch array in the program, which the dispatch path (``per_token_limit=0``) builds."""
+    expert (the routed kernel on the CPU): flaxformer's outputs and sown metrics, and no
+    ``[G, E, C, H]`` dispatch array in the program, which the dispatch path
+    (``per_token_limit=0``) builds."""
     _, directory, _ = compressed_tiny
     dense_vars, compressed_vars, config = layer_variables(directory)
     stock = switch_moe_layer(config)
@@ -205,6 +207,43 @@ def test_a_decoding_step_takes_each_tokens_own_expert_with_flaxformers_numbers(
 
     assert dispatch_shape in program(dispatched)  # the premise
     assert dispatch_shape not in program(ours)
+
+
+def test_a_scoring_call_routes_its_tokens_with_flaxformers_numbers(compressed_tiny):
+    """On the CPU a scoring call (groups >= E, tokens dropped at capacity) takes the per-token
+    path too, through the routed kernel: flaxformer's outputs, metrics and gradients, and no
+    ``[G, E, C, H]`` dispatch array, which the dispatch path builds."""
+    _, directory, _ = compressed_tiny
+    dense_vars, compressed_vars, config = layer_variables(directory)
+    config = dataclasses.replace(config, eval_capacity_factor=1.0, min_expert_capacity=1)
+    stock = switch_moe_layer(config)
+    ours = compressed_moe_layer(stock, directory)
+    dispatched = dataclasses.replace(ours, per_token_limit=0)
+    x = jax.random.normal(jax.random.PRNGKey(11), (4, 32, config.d_model), jnp.float32)
+    x = x.at[2, 20:].set(0.0)  # padding
+
+    want, want_state = at_sparse_layer(stock).apply(dense_vars, x, mutable=["intermediates"])
+    got, got_state = at_sparse_layer(ours).apply(compressed_vars, x, mutable=["intermediates"])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    metrics = traverse_util.flatten_dict(want_state["intermediates"], sep="/")
+    assert metrics["encoder/layers_1/mlp/fraction_tokens_left_behind"][0] > 0  # drops happened
+    for path, value in traverse_util.flatten_dict(got_state["intermediates"], sep="/").items():
+        np.testing.assert_allclose(value[0], metrics[path][0], rtol=1e-6, err_msg=path)
+    for want_g, got_g in zip(
+        gradients(stock, dense_vars, x, False), gradients(ours, compressed_vars, x, False)
+    ):
+        np.testing.assert_allclose(got_g, want_g, rtol=1e-4, atol=1e-5)
+
+    dispatch = re.compile(rf"tensor<\d+x{config.num_experts}x\d+x{config.d_model}xf32>")
+
+    def program(layer):
+        apply = jax.jit(lambda v, x: at_sparse_layer(layer).apply(v, x))
+        return apply.lower(compressed_vars, x).as_text()
+
+    assert dispatch.search(program(dispatched))  # the premise
+    routed = program(ours)
+    assert not dispatch.search(routed)
+    assert routed.count("custom_call @qmoe_matmul_routed") == 2  # wi, wo
 
 
 def test_skipping_empty_slots_keeps_outputs_and_gradients(compressed_tiny):
