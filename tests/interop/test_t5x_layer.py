@@ -171,14 +171,17 @@ def test_a_decoding_step_decodes_only_the_experts_its_tokens_chose(compressed_ti
     assert np.isnan(at_sparse_layer(every_slot).apply(broken, x)).all()
 
 
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "gathered"])
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_decoding_step_takes_each_tokens_own_expert_with_flaxformers_numbers(
-    compressed_tiny, batch
+    compressed_tiny, batch, routed, monkeypatch
 ):
     """A decoding step's tokens, padded by flaxformer to one per group, each multiply their own
-    expert (the routed kernel on the CPU): flaxformer's outputs and sown metrics, and no
-    ``[G, E, C, H]`` dispatch array in the program, which the dispatch path
-    (``per_token_limit=0``) builds."""
+    expert (the routed kernel on the CPU; where it is missing, each token's expert codes
+    gathered): flaxformer's outputs and sown metrics, and no ``[G, E, C, H]`` dispatch array in
+    the program, which the dispatch path (``per_token_limit=0``) builds."""
+    if not routed:  # as on a platform without the routed kernel
+        monkeypatch.setattr(CompressedMoeLayer, "_routed", staticmethod(lambda: False))
     _, directory, _ = compressed_tiny
     dense_vars, compressed_vars, config = layer_variables(directory)
     stock = switch_moe_layer(config)
@@ -207,6 +210,7 @@ def test_a_decoding_step_takes_each_tokens_own_expert_with_flaxformers_numbers(
 
     assert dispatch_shape in program(dispatched)  # the premise
     assert dispatch_shape not in program(ours)
+    assert ("custom_call @qmoe_matmul_routed" in program(ours)) == routed
 
 
 def test_a_scoring_call_routes_its_tokens_with_flaxformers_numbers(compressed_tiny):
