@@ -1,8 +1,8 @@
 """One sparse decoder layer of stock T5X at ``t5x.infer``'s decoding shapes: the compressed layer
 (interop/t5x_moe.py) as it runs by default (each token multiplied by its own expert, on the CPU
-with the routed kernel), the same layer on flaxformer's dispatch computing only the capacity slots in use
-(``per_token_limit=0``) or every slot, and flaxformer's own ``MoeLayer`` on the dequantized
-float32 experts.
+with the routed kernel), the same layer on flaxformer's dispatch computing only the capacity
+slots in use (``per_token_limit=0``) or every slot, and flaxformer's own ``MoeLayer`` on the
+dequantized float32 experts.
 
 A decoding step hands the MoE layer one token per sequence, ``[batch, 1, d_model]``. flaxformer
 pads the tokens to a multiple of E, makes E routing groups of them and gives every expert

@@ -325,7 +325,7 @@ def _matmul_backward(static, residuals, g):
 matmul.defvjp(_matmul_forward, _matmul_backward)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def has_routed_kernels(platform: str) -> bool:
     """Whether the routed products (``matmul_routed``) have a handler on ``platform`` (a jax
     platform or backend name: "cpu", "gpu", "cuda"): the CPU only (xla_ffi/cpu_routed.h)."""

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from qmoe_jax.codec import CompressedExperts, Dictionary
 from qmoe_jax.kernels import ops
 from qmoe_jax.models.configs import SwitchConfig
-from qmoe_jax.models.layers import dropout
+from qmoe_jax.models.layers import dropout, token_expert_dropout
 from qmoe_jax.models.lora import LORA, adapter_output
 from qmoe_jax.models.mlp import hidden_units, kernel_names
 
@@ -145,9 +145,12 @@ class CompressedMlpExperts(nn.Module):
         enable_dropout: bool,
         matmul=ops.matmul,
         counts: jax.Array | None = None,
+        expert_index: jax.Array | None = None,
     ) -> jax.Array:
         """The expert MLPs ``x [S, T, d] → [S, T, d]`` over ``stacks`` of S matrices per kernel
-        (with their LoRA ``adapters``), each kernel one ``matmul`` call for all of them."""
+        (with their LoRA ``adapters``), each kernel one ``matmul`` call for all of them. With
+        ``expert_index int[S]`` (one token per row) dropout takes the expert layout's mask, so
+        that every path drops the same hidden units."""
         cfg = self.config
         dictionary = self._dictionary()
 
@@ -157,7 +160,12 @@ class CompressedMlpExperts(nn.Module):
 
         x = x.astype(cfg.jnp_dtype)
         hidden = hidden_units(cfg, lambda name: project(name, x))
-        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        if expert_index is None:
+            hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        else:
+            hidden = token_expert_dropout(
+                hidden, cfg.dropout_rate, enable_dropout, self, cfg.num_experts, expert_index
+            )
         return project("wo", hidden)
 
     @nn.compact
@@ -199,12 +207,23 @@ class CompressedMlpExperts(nn.Module):
                 return ops.matmul_routed(w, x[:, 0], expert_index, dictionary)[:, None]
 
             return self._mlp(
-                stacks, routed_adapters, expert_inputs[:, None, :], enable_dropout, routed
+                stacks,
+                routed_adapters,
+                expert_inputs[:, None, :],
+                enable_dropout,
+                routed,
+                expert_index=expert_index,
             )[:, 0]
         # The per-token path: each token's expert gathered out of the stacks, N stacks of one
         # token each.
         stacks = self._routed_stacks(expert_index)
-        return self._mlp(stacks, routed_adapters, expert_inputs[:, None, :], enable_dropout)[:, 0]
+        return self._mlp(
+            stacks,
+            routed_adapters,
+            expert_inputs[:, None, :],
+            enable_dropout,
+            expert_index=expert_index,
+        )[:, 0]
 
 
 def compressed_experts_cls(

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from qmoe_jax.models.configs import SwitchConfig
-from qmoe_jax.models.layers import dropout
+from qmoe_jax.models.layers import dropout, token_expert_dropout
 from qmoe_jax.models.mlp import hidden_units
 
 
@@ -94,5 +94,10 @@ class MlpExperts(nn.Module):
         hidden = hidden_units(
             cfg, lambda name: ExpertKernel(cfg.d_ff, cfg, name=name)(expert_inputs, expert_index)
         )
-        hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        if expert_index is None:
+            hidden = dropout(hidden, cfg.dropout_rate, enable_dropout, self)
+        else:  # the [E, T, f] layout's mask, taken per token: both paths drop alike
+            hidden = token_expert_dropout(
+                hidden, cfg.dropout_rate, enable_dropout, self, cfg.num_experts, expert_index
+            )
         return ExpertKernel(cfg.d_model, cfg, name="wo")(hidden, expert_index)

@@ -180,6 +180,27 @@ def dropout(
     return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
 
 
+def token_expert_dropout(
+    x: jax.Array,
+    rate: float,
+    enable_dropout: bool,
+    module: nn.Module,
+    num_experts: int,
+    expert_index: jax.Array,
+) -> jax.Array:
+    """``dropout`` of expert hidden units ``x [N, ..., f]`` held token by token, with the mask the
+    expert layout ``[E, T, f]`` draws: one row per expert, shared by its tokens, taken for each
+    token's expert (``expert_index int[N]``, clipped into range). The same random bits as
+    ``dropout`` on ``[E, T, f]`` in the same place of the module, so both layouts drop alike."""
+    if not enable_dropout or rate == 0.0:
+        return x
+    width = x.shape[-1]
+    keep = jax.random.bernoulli(module.make_rng("dropout"), 1.0 - rate, (num_experts, 1, width))
+    keep = jnp.take(keep, expert_index, axis=0, mode="clip")  # [N, 1, f]
+    keep = keep.reshape(x.shape[0], *([1] * (x.ndim - 2)), width)
+    return jnp.where(keep, x / (1.0 - rate), jnp.zeros_like(x)).astype(x.dtype)
+
+
 class MultiHeadAttention(nn.Module):
     """T5 attention with ``query``/``key``/``value`` ``[d, h*k]`` and ``out [h*k, d]``.
 

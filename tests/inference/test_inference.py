@@ -46,6 +46,7 @@ def assert_forms_agree(directory, examples, batch_sizes=(1, 8)):
             dense.config, experts_cls=functools.partial(MlpExperts, gather_tokens=0)
         ),
     )
+
     def fused_with(**fields):
         experts_cls = functools.partial(fused.module.experts_cls, **fields)
         return dataclasses.replace(fused, module=fused.module.clone(experts_cls=experts_cls))

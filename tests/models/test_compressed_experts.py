@@ -196,3 +196,28 @@ def test_routed_by_default_on_the_cpu_only_without_a_mesh():
     assert not compressed_experts_cls({})(config=CONFIG, routed=False).routes_tokens
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("expert",))
     assert not compressed_experts_cls({}, mesh)(config=CONFIG).routes_tokens
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(routed=False, per_token_limit=64)])
+def test_every_path_drops_the_same_hidden_units(layer_params, dictionary, fields):
+    """Training with dropout: the routed and per-token paths take the dispatch layout's mask (one
+    row per expert, shared by its tokens), so the three paths give the same outputs."""
+    params, _ = layer_params
+    config = dataclasses.replace(T5X_GROUPS, dropout_rate=0.5)
+    x = jax.random.normal(jax.random.PRNGKey(4), (4, 16, CONFIG.d_model))
+
+    def apply_training(**fields):
+        layer = MoeLayer(
+            config, functools.partial(CompressedMlpExperts, dictionaries={"": dictionary}, **fields)
+        )
+        return layer.apply(
+            {"params": params}, x, enable_dropout=True, rngs={"dropout": jax.random.PRNGKey(9)}
+        )
+
+    dispatched = apply_training(routed=False, per_token_limit=0)
+    np.testing.assert_allclose(apply_training(**fields), dispatched, rtol=1e-6, atol=1e-6)
+    without = MoeLayer(
+        dataclasses.replace(config, dropout_rate=0.0),
+        functools.partial(CompressedMlpExperts, dictionaries={"": dictionary}),
+    ).apply({"params": params}, x, enable_dropout=True)
+    assert not np.allclose(dispatched, without)  # the premise: dropout changed the outputs

@@ -332,6 +332,25 @@ def test_gathered_dense_experts_match_the_all_expert_layout(batch, length):
     )  # the larger call drops tokens
 
 
+def test_gathered_dense_experts_drop_the_all_expert_layouts_hidden_units():
+    """Training with dropout: the per-token path takes the [E, T, f] layout's mask (one row per
+    expert, shared by its tokens), so both give the same outputs."""
+    config = moe_config(dropout_rate=0.5, train_capacity_factor=4.0)
+    x = jax.random.normal(jax.random.PRNGKey(5), (2, 6, config.d_model))
+    params = random_params(MoeLayer(config), x, seed=6)
+
+    def train(gather_tokens: int, rate: float = 0.5):
+        layer = MoeLayer(
+            dataclasses.replace(config, dropout_rate=rate),
+            functools.partial(MlpExperts, gather_tokens=gather_tokens),
+        )
+        rngs = {"dropout": jax.random.PRNGKey(3)}
+        return layer.apply({"params": params}, x, enable_dropout=True, rngs=rngs)
+
+    np.testing.assert_allclose(train(12), train(0), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(train(0), train(0, rate=0.0))  # the premise: dropout changed them
+
+
 @pytest.mark.slow
 def test_dispatch_fills_each_expert_from_its_first_row():
     config = moe_config()
