@@ -107,31 +107,49 @@ ffi::Error FailureError(const char* op, const Routed& routed, const FirstFailure
                      index % routed.w.rows);
 }
 
-ffi::Error MatmulRoutedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
-                            ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
-                            ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
-                            ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::S32> expert_index, ffi::Result<ffi::AnyBuffer> y) {
-  const char* op = kMatmulRouted;
+// One routed call: x [N, cols] to y [N, rows] through each token's expert, or (transposed)
+// g [N, rows] to dx [N, cols], the input gradient.
+ffi::Error RoutedImpl(const char* op, bool transposed, ffi::ThreadPool& pool,
+                      ffi::Buffer<ffi::U32> masks, ffi::Buffer<ffi::U8> slots,
+                      ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::U16> codes,
+                      ffi::Buffer<ffi::S32> row_offsets, ffi::Buffer<ffi::BF16> minmax,
+                      ffi::AnyBuffer in, ffi::Buffer<ffi::S32> expert_index,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  const DenseArg in_arg{transposed ? "g" : "x", in.element_type(), in.dimensions(),
+                        transposed ? "rows" : "cols"};
+  const DenseArg out_arg{transposed ? "dx" : "y", out->element_type(), out->dimensions(),
+                         transposed ? "cols" : "rows"};
   Routed routed;
-  if (auto error = CheckRouted(op, masks, slots, words, codes, row_offsets, minmax,
-                               {"x", x.element_type(), x.dimensions(), "cols"},
-                               {"y", y->element_type(), y->dimensions(), "rows"},
-                               /*in_is_rows=*/false, expert_index, &routed);
+  if (auto error = CheckRouted(op, masks, slots, words, codes, row_offsets, minmax, in_arg, out_arg,
+                               /*in_is_rows=*/transposed, expert_index, &routed);
       error.failure()) {
     return error;
   }
   const RowKernels* kernels;
   if (auto error = SelectKernels(op, &kernels); error.failure()) return error;
-  const bool bf16 = x.element_type() == ffi::DataType::BF16;
-  const DenseRows x_rows{x.untyped_data(), bf16, routed.w.cols};
-  const DenseRows y_rows{y->untyped_data(), bf16, routed.w.rows};
-  ZeroRows(y_rows, routed.dropped);
-  if (routed.w.rows == 0) return ffi::Error::Success();
+  const CompressedOperands& w = routed.w;
+  const bool bf16 = in.element_type() == ffi::DataType::BF16;
+  const DenseRows in_rows{in.untyped_data(), bf16, transposed ? w.rows : w.cols};
+  const DenseRows out_rows{out->untyped_data(), bf16, transposed ? w.cols : w.rows};
+  ZeroRows(out_rows, routed.dropped);
+  if (out_rows.width == 0) return ffi::Error::Success();
   FirstFailure failure;
-  RunMatmul(pool, routed.w, *kernels, routed.groups, x_rows, y_rows, failure);
+  if (transposed) {
+    RunTransposed(pool, w, *kernels, routed.groups, in_rows, out_rows, failure);
+  } else {
+    RunMatmul(pool, w, *kernels, routed.groups, in_rows, out_rows, failure);
+  }
   if (failure.failed()) return FailureError(op, routed, failure);
   return ffi::Error::Success();
+}
+
+ffi::Error MatmulRoutedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
+                            ffi::Buffer<ffi::U8> slots, ffi::Buffer<ffi::U32> words,
+                            ffi::Buffer<ffi::U16> codes, ffi::Buffer<ffi::S32> row_offsets,
+                            ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> expert_index, ffi::Result<ffi::AnyBuffer> y) {
+  return RoutedImpl(kMatmulRouted, /*transposed=*/false, pool, masks, slots, words, codes,
+                    row_offsets, minmax, x, expert_index, y);
 }
 
 ffi::Error MatmulRoutedTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32> masks,
@@ -141,30 +159,8 @@ ffi::Error MatmulRoutedTransposedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::U32
                                       ffi::Buffer<ffi::BF16> minmax, ffi::AnyBuffer g,
                                       ffi::Buffer<ffi::S32> expert_index,
                                       ffi::Result<ffi::AnyBuffer> dx) {
-  const char* op = kMatmulRoutedTransposed;
-  Routed routed;
-  if (auto error = CheckRouted(op, masks, slots, words, codes, row_offsets, minmax,
-                               {"g", g.element_type(), g.dimensions(), "rows"},
-                               {"dx", dx->element_type(), dx->dimensions(), "cols"},
-                               /*in_is_rows=*/true, expert_index, &routed);
-      error.failure()) {
-    return error;
-  }
-  const RowKernels* kernels;
-  if (auto error = SelectKernels(op, &kernels); error.failure()) return error;
-  const bool bf16 = g.element_type() == ffi::DataType::BF16;
-  const DenseRows g_rows{g.untyped_data(), bf16, routed.w.rows};
-  const DenseRows dx_rows{dx->untyped_data(), bf16, routed.w.cols};
-  ZeroRows(dx_rows, routed.dropped);
-  if (routed.w.cols == 0) return ffi::Error::Success();
-  if (routed.w.rows == 0) {  // W has no rows: every token's gradient is zero
-    for (const TokenGroup& group : routed.groups) ZeroRows(dx_rows, group.out_rows);
-    return ffi::Error::Success();
-  }
-  FirstFailure failure;
-  RunTransposed(pool, routed.w, *kernels, routed.groups, g_rows, dx_rows, failure);
-  if (failure.failed()) return FailureError(op, routed, failure);
-  return ffi::Error::Success();
+  return RoutedImpl(kMatmulRoutedTransposed, /*transposed=*/true, pool, masks, slots, words, codes,
+                    row_offsets, minmax, g, expert_index, dx);
 }
 
 }  // namespace

@@ -179,8 +179,17 @@ class Static:
     cols: int
 
 
-def _call(target: str, static: Static, codes, row_offsets, minmax, *dense, result):
-    return jax.ffi.ffi_call(target, result, vmap_method="expand_dims")(
+def _call(
+    target: str,
+    static: Static,
+    codes,
+    row_offsets,
+    minmax,
+    *dense,
+    result,
+    vmap_method: str = "expand_dims",
+):
+    return jax.ffi.ffi_call(target, result, vmap_method=vmap_method)(
         *dictionary_operands(static.dictionary), codes, row_offsets, minmax, *dense
     )
 
@@ -303,26 +312,36 @@ def dense_matmul_call(x, weights, scales):
     return jax.ffi.ffi_call(DENSE_MATMUL, result)(x, weights, scales)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def matmul(static: Static, codes, row_offsets, minmax, x, counts):
-    """``matmul_call`` with the input gradient Wᵀ·g (zero for tokens not in use);
-    W itself gets zero cotangents."""
-    return matmul_call(static, codes, row_offsets, minmax, x, counts)
+def _with_input_gradient(call, transposed_call, doc: str):
+    """``call(static, codes, row_offsets, minmax, x, tokens)`` with a custom VJP: the input
+    gradient is ``transposed_call(static, codes, row_offsets, minmax, g, tokens)``, and the
+    compressed arrays and ``tokens`` (counts or expert indexes) get zero cotangents."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def op(static: Static, codes, row_offsets, minmax, x, tokens):
+        return call(static, codes, row_offsets, minmax, x, tokens)
+
+    def forward(static, codes, row_offsets, minmax, x, tokens):
+        y = call(static, codes, row_offsets, minmax, x, tokens)
+        return y, (codes, row_offsets, minmax, tokens)
+
+    def backward(static, residuals, g):
+        codes, row_offsets, minmax, tokens = residuals
+        dx = transposed_call(static, codes, row_offsets, minmax, g, tokens)
+        # None: a zero cotangent of the right type (float0 for the integer arrays).
+        return None, None, None, dx, None
+
+    op.defvjp(forward, backward)
+    op.__doc__ = doc
+    return op
 
 
-def _matmul_forward(static, codes, row_offsets, minmax, x, counts):
-    y = matmul_call(static, codes, row_offsets, minmax, x, counts)
-    return y, (codes, row_offsets, minmax, counts)
-
-
-def _matmul_backward(static, residuals, g):
-    codes, row_offsets, minmax, counts = residuals
-    dx = matmul_transposed_call(static, codes, row_offsets, minmax, g, counts)
-    # None: a zero cotangent of the right type (float0 for the integer arrays).
-    return None, None, None, dx, None
-
-
-matmul.defvjp(_matmul_forward, _matmul_backward)
+matmul = _with_input_gradient(
+    matmul_call,
+    matmul_transposed_call,
+    """``matmul_call`` with the input gradient Wᵀ·g (zero for tokens not in use); W itself gets
+    zero cotangents.""",
+)
 
 
 @functools.cache
@@ -337,37 +356,39 @@ def matmul_routed_call(static: Static, codes, row_offsets, minmax, x, expert_ind
     """y[N, rows] = W_e·x[n] for x[N, cols] and the stack's expert e = expert_index[n] (int32[N]);
     zero rows for indexes outside [0, E). CPU only; no autodiff rule (``matmul_routed`` has
     one). Under vmap the kernel runs once per mapped entry."""
-    rows = minmax.shape[-2]
-    result = jax.ShapeDtypeStruct((x.shape[0], rows), x.dtype)
-    return jax.ffi.ffi_call(MATMUL_ROUTED, result, vmap_method="sequential")(
-        *dictionary_operands(static.dictionary), codes, row_offsets, minmax, x, expert_index
+    result = jax.ShapeDtypeStruct((x.shape[0], minmax.shape[-2]), x.dtype)
+    return _call(
+        MATMUL_ROUTED,
+        static,
+        codes,
+        row_offsets,
+        minmax,
+        x,
+        expert_index,
+        result=result,
+        vmap_method="sequential",
     )
 
 
 def matmul_routed_transposed_call(static: Static, codes, row_offsets, minmax, g, expert_index):
     """dx[N, cols] = W_eᵀ·g[n] for g[N, rows]; zero rows for indexes outside [0, E)."""
     result = jax.ShapeDtypeStruct((g.shape[0], static.cols), g.dtype)
-    return jax.ffi.ffi_call(MATMUL_ROUTED_TRANSPOSED, result, vmap_method="sequential")(
-        *dictionary_operands(static.dictionary), codes, row_offsets, minmax, g, expert_index
+    return _call(
+        MATMUL_ROUTED_TRANSPOSED,
+        static,
+        codes,
+        row_offsets,
+        minmax,
+        g,
+        expert_index,
+        result=result,
+        vmap_method="sequential",
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def matmul_routed(static: Static, codes, row_offsets, minmax, x, expert_index):
+matmul_routed = _with_input_gradient(
+    matmul_routed_call,
+    matmul_routed_transposed_call,
     """``matmul_routed_call`` with the input gradient W_eᵀ·g (zero for dropped tokens); W and the
-    indexes get zero cotangents."""
-    return matmul_routed_call(static, codes, row_offsets, minmax, x, expert_index)
-
-
-def _routed_forward(static, codes, row_offsets, minmax, x, expert_index):
-    y = matmul_routed_call(static, codes, row_offsets, minmax, x, expert_index)
-    return y, (codes, row_offsets, minmax, expert_index)
-
-
-def _routed_backward(static, residuals, g):
-    codes, row_offsets, minmax, expert_index = residuals
-    dx = matmul_routed_transposed_call(static, codes, row_offsets, minmax, g, expert_index)
-    return None, None, None, dx, None
-
-
-matmul_routed.defvjp(_routed_forward, _routed_backward)
+    indexes get zero cotangents.""",
+)
