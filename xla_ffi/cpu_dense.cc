@@ -2,7 +2,8 @@
 // then tiles of R rows x T tokens, each weight converted once per tile in
 // registers and multiplied into R*T float32 accumulators. Conversions per 8
 // weights: int8 a sign-extending load and a convert; bfloat16 half a load and
-// one bit operation (pair tiles), against float32's load alone.
+// one bit operation (pair tiles), against float32's load alone. A task's rows
+// are read as R long streams at once (TokenGroup).
 #include "cpu_dense.h"
 
 #include <immintrin.h>
@@ -47,14 +48,14 @@ inline float ToFloat(uint16_t w) {
   return value;
 }
 
-// One tile: out[t * R + r] = sum_j w[r * cols + j] * x[t * cols + j], portable
+// One tile: out[t * R + r] = sum_j w[r * stride + j] * x[t * cols + j], portable
 // code.
 template <typename W, int R, int T>
-void TilePortable(const W* w, const float* x, int64_t cols, float* out) {
+void TilePortable(const W* w, int64_t stride, const float* x, int64_t cols, float* out) {
   float sums[T][R] = {};
   for (int64_t j = 0; j < cols; ++j) {
     float weights[R];
-    for (int r = 0; r < R; ++r) weights[r] = ToFloat(w[r * cols + j]);
+    for (int r = 0; r < R; ++r) weights[r] = ToFloat(w[r * stride + j]);
     for (int t = 0; t < T; ++t) {
       const float value = x[t * cols + j];
       for (int r = 0; r < R; ++r) sums[t][r] += weights[r] * value;
@@ -84,30 +85,28 @@ QMOE_DENSE_AVX2_INLINE float Sum8(__m256 v) {
 
 // The same tile with AVX2: 8 columns per step, R * T accumulators (at most 12,
 // so that they, the T loads of x and one converted weight vector fit the 16
-// registers).
+// registers). The tile's R rows are `stride` weights apart: R streams of memory, each of which
+// goes on in the row after (TokenGroup).
 //
-// The R rows of a tile are one contiguous block of memory, read as R short streams (a row of
-// a decoder matrix is a few cache lines), too short for the hardware prefetchers to follow. So
-// each step also prefetches the next tile's block linearly, as many bytes as the step consumes
-// (Prefetch): the whole next block is in flight by the time the tile ends. The bfloat16 pair
-// tiles prefetch into L2 only (kToL2), the int8 and float32 tiles into L1: each decoded fastest
-// that way (docs/dense_forms.md).
-template <int kBytesPerStep, bool kToL2 = false>
-QMOE_DENSE_AVX2_INLINE void Prefetch(const char* block, int64_t step) {
-#pragma GCC unroll 8
-  for (int b = 0; b < kBytesPerStep; b += 64) {
-    if constexpr (kToL2) {
-      _mm_prefetch(block + step * kBytesPerStep + b, _MM_HINT_T1);
-    } else {
-      _mm_prefetch(block + step * kBytesPerStep + b, _MM_HINT_T0);
+// The int8 tiles also prefetch, once per cache line they read, the same line of each stream's
+// next row; the bfloat16 tiles leave their streams to the hardware prefetchers. Each decoded
+// fastest that way (docs/dense_forms.md).
+template <typename W, int R>
+QMOE_DENSE_AVX2_INLINE void PrefetchNextRows(const W* w, int64_t stride, int64_t cols,
+                                             int64_t j) {
+  if constexpr (std::is_same_v<W, int8_t>) {
+    if (j % 64 != 0) return;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * stride + cols + j), _MM_HINT_T0);
     }
   }
 }
 
 template <typename W, int R, int T>
-QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* out) {
+QMOE_DENSE_AVX2 void TileAvx2(const W* w, int64_t stride, const float* x, int64_t cols,
+                              float* out) {
   static_assert(R * T + T + 1 <= 16, "the tile must fit the 16 vector registers");
-  const char* next = reinterpret_cast<const char*>(w + R * cols);
   __m256 sums[T][R];
 #pragma GCC unroll 16
   for (int t = 0; t < T; ++t) {
@@ -116,13 +115,13 @@ QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* o
   }
   int64_t j = 0;
   for (; j + 8 <= cols; j += 8) {
-    Prefetch<R * 8 * static_cast<int>(sizeof(W))>(next, j / 8);
+    PrefetchNextRows<W, R>(w, stride, cols, j);
     __m256 values[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) values[t] = _mm256_loadu_ps(x + t * cols + j);
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const __m256 weights = LoadWeights8(w + r * cols + j);
+      const __m256 weights = LoadWeights8(w + r * stride + j);
 #pragma GCC unroll 16
       for (int t = 0; t < T; ++t) sums[t][r] = _mm256_fmadd_ps(weights, values[t], sums[t][r]);
     }
@@ -132,7 +131,7 @@ QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* o
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       float sum = Sum8(sums[t][r]);
-      for (int64_t k = j; k < cols; ++k) sum += ToFloat(w[r * cols + k]) * x[t * cols + k];
+      for (int64_t k = j; k < cols; ++k) sum += ToFloat(w[r * stride + k]) * x[t * cols + k];
       out[t * R + r] = sum;
     }
   }
@@ -144,11 +143,10 @@ QMOE_DENSE_AVX2 void TileAvx2(const W* w, const float* x, int64_t cols, float* o
 // x[t, 1::2] per token. R * T accumulators, 2 * T loads of x, two weight vectors and the mask:
 // at most 16 registers.
 template <int R, int T>
-QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int64_t cols,
-                                   float* out) {
+QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, int64_t stride, const float* x_pairs,
+                                   int64_t cols, float* out) {
   static_assert(R * T + 2 * T + 3 <= 16, "the tile must fit the 16 vector registers");
   const int64_t half = cols / 2;
-  const char* next = reinterpret_cast<const char*>(w + R * cols);
   const __m256i high = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m256 sums[T][R];
 #pragma GCC unroll 16
@@ -157,7 +155,6 @@ QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int6
     for (int r = 0; r < R; ++r) sums[t][r] = _mm256_setzero_ps();
   }
   for (int64_t j = 0; j < half; j += 8) {
-    Prefetch<R * 32, /*kToL2=*/true>(next, j / 8);
     __m256 even[T], odd[T];
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
@@ -167,7 +164,7 @@ QMOE_DENSE_AVX2 void TileAvx2Pairs(const uint16_t* w, const float* x_pairs, int6
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m256i pairs =
-          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * cols + 2 * j));
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + r * stride + 2 * j));
       const __m256 low_weights = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
       const __m256 high_weights = _mm256_castsi256_ps(_mm256_and_si256(pairs, high));
 #pragma GCC unroll 16
@@ -198,45 +195,45 @@ struct Problem {
 // The bfloat16 pair tiles apply (AVX2 code, a split copy of x made).
 inline bool UsesPairs(const Problem& p) { return p.x_pairs != nullptr; }
 
-// Rows [r0, r1) times tokens [t0, t1) of the product, with tiles of R rows and
-// T tokens (the rows left over one at a time).
+// One tile of R rows, `stride` weights apart, from row r, times tokens [t, t + T).
+template <typename W, bool kAvx2, int R, int T>
+void Tile(const Problem& p, int64_t r, int64_t stride, int64_t t, float* out) {
+  const W* w = static_cast<const W*>(p.w) + r * p.cols;
+  if constexpr (kAvx2 && std::is_same_v<W, uint16_t> && R * T + 2 * T + 3 <= 16) {
+    if (UsesPairs(p)) {
+      TileAvx2Pairs<R, T>(w, stride, p.x_pairs + t * p.cols, p.cols, out);
+      return;
+    }
+  }
+  if constexpr (kAvx2) {
+    TileAvx2<W, R, T>(w, stride, p.x + t * p.cols, p.cols, out);
+  } else {
+    TilePortable<W, R, T>(w, stride, p.x + t * p.cols, p.cols, out);
+  }
+}
+
+// Rows [r0, r1) times tokens [t, t + T). The rows are cut into R runs of equal length, and
+// tile i takes row i of every run: each run is one long stream of memory, and the tiles read R
+// of them at once (the rows left over one at a time). Tiles of R neighbouring rows read R short
+// streams instead (a 768-column int8 row is 12 cache lines), which the hardware prefetchers do
+// not follow: the kernel read 20-25 GB/s that way, where a plain loop over 4 to 8 long streams
+// per core reads 42-45 (docs/dense_forms.md).
 template <typename W, bool kAvx2, int R, int T>
 void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
-  const W* w = static_cast<const W*>(p.w);
-  const float* x = p.x + t * p.cols;
   float out[T * R];
-  int64_t r = r0;
-  for (; r + R <= r1; r += R) {
-    if constexpr (kAvx2 && std::is_same_v<W, uint16_t> && R * T + 2 * T + 3 <= 16) {
-      if (UsesPairs(p)) {
-        TileAvx2Pairs<R, T>(w + r * p.cols, p.x_pairs + t * p.cols, p.cols, out);
-      } else {
-        TileAvx2<W, R, T>(w + r * p.cols, x, p.cols, out);
-      }
-    } else if constexpr (kAvx2) {
-      TileAvx2<W, R, T>(w + r * p.cols, x, p.cols, out);
-    } else {
-      TilePortable<W, R, T>(w + r * p.cols, x, p.cols, out);
-    }
+  const int64_t run = (r1 - r0) / R;
+  for (int64_t i = 0; i < run; ++i) {
+    Tile<W, kAvx2, R, T>(p, r0 + i, run * p.cols, t, out);
     for (int k = 0; k < T; ++k) {
-      for (int i = 0; i < R; ++i) {
-        const float scale = p.scales ? p.scales[r + i] : 1.0f;
-        p.y[(t + k) * p.rows + r + i] = out[k * R + i] * scale;
+      for (int q = 0; q < R; ++q) {
+        const int64_t r = r0 + q * run + i;
+        const float scale = p.scales ? p.scales[r] : 1.0f;
+        p.y[(t + k) * p.rows + r] = out[k * R + q] * scale;
       }
     }
   }
-  for (; r < r1; ++r) {
-    if constexpr (kAvx2 && std::is_same_v<W, uint16_t>) {
-      if (UsesPairs(p)) {
-        TileAvx2Pairs<1, T>(w + r * p.cols, p.x_pairs + t * p.cols, p.cols, out);
-      } else {
-        TileAvx2<W, 1, T>(w + r * p.cols, x, p.cols, out);
-      }
-    } else if constexpr (kAvx2) {
-      TileAvx2<W, 1, T>(w + r * p.cols, x, p.cols, out);
-    } else {
-      TilePortable<W, 1, T>(w + r * p.cols, x, p.cols, out);
-    }
+  for (int64_t r = r0 + R * run; r < r1; ++r) {
+    Tile<W, kAvx2, 1, T>(p, r, p.cols, t, out);
     const float scale = p.scales ? p.scales[r] : 1.0f;
     for (int k = 0; k < T; ++k) p.y[(t + k) * p.rows + r] = out[k] * scale;
   }

@@ -25,8 +25,19 @@ def _problem(rows, cols, tokens, seed=0):
 @pytest.mark.parametrize(
     "rows,cols,tokens",
     # Row tiles of 8 and 4 with rows left over, token groups of 3 with 2 or 1 left over,
-    # columns past the last 8, several row and token blocks; bfloat16 pair tiles (16 columns).
-    [(1, 1, 1), (9, 13, 1), (13, 8, 2), (37, 29, 7), (300, 64, 50), (8, 16, 100), (13, 48, 3)],
+    # columns past the last 8, several row and token blocks; bfloat16 pair tiles (16 columns);
+    # tiles whose rows are runs apart in row blocks of unequal length (517 and 1000 rows).
+    [
+        (1, 1, 1),
+        (9, 13, 1),
+        (13, 8, 2),
+        (37, 29, 7),
+        (300, 64, 50),
+        (8, 16, 100),
+        (13, 48, 3),
+        (517, 32, 1),
+        (1000, 24, 4),
+    ],
 )
 def test_dense_matmul_matches_twin(isa, form, rows, cols, tokens, monkeypatch):
     monkeypatch.setenv("QMOE_CPU_ISA", isa)
