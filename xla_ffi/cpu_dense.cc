@@ -92,8 +92,7 @@ QMOE_DENSE_AVX2_INLINE float Sum8(__m256 v) {
 // next row; the bfloat16 tiles leave their streams to the hardware prefetchers. Each decoded
 // fastest that way (docs/dense_forms.md).
 template <typename W, int R>
-QMOE_DENSE_AVX2_INLINE void PrefetchNextRows(const W* w, int64_t stride, int64_t cols,
-                                             int64_t j) {
+QMOE_DENSE_AVX2_INLINE void PrefetchNextRows(const W* w, int64_t stride, int64_t cols, int64_t j) {
   if constexpr (std::is_same_v<W, int8_t>) {
     if (j % 64 != 0) return;
 #pragma GCC unroll 16

@@ -1,14 +1,15 @@
 // AVX2 row kernels. A codeword's nonzero weights come from its word (see
-// qmoe_format.h): three or four scalar loads from the window of x at the
-// codeword gather them into one vector, duplicated into both halves, and one
-// fused multiply-add with its class's 0/1 weights adds plus weights to lanes
-// 0..3 and minus weights to lanes 4..7. The words of codewords 48 steps
-// ahead are prefetched: the 256 KB table outgrows L2, and its accesses are
-// random. Entries that overflow their word go through the masks, checked for
-// only when the dictionary has such entries.
+// qmoe_format.h): three or four broadcasts from the window of x at the
+// codeword, blended into one vector with the values in lanes 0..3 and again
+// in 4..7, and one fused multiply-add with its class's 0/1 weights adds plus
+// weights to lanes 0..3 and minus weights to lanes 4..7. The words of
+// codewords 48 steps ahead are prefetched: the 256 KB table outgrows L2, and
+// its accesses are random. Entries that overflow their word go through the
+// masks, checked for only when the dictionary has such entries.
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "cpu_row_kernels.h"
 
@@ -22,6 +23,7 @@ namespace {
 // when the table has left the caches (docs/measurements.md, "Where the
 // kernel's time goes", has what the prefetch and its distance are worth).
 constexpr int64_t kPrefetchDistance = 48;
+static_assert(kCheckedChunk == 4, "RowsDotWith loads a chunk's 4 codes as one 8-byte word");
 
 QMOE_AVX2 float HorizontalSum(__m128 v) {
   const __m128 half = _mm_add_ps(v, _mm_movehl_ps(v, v));
@@ -64,14 +66,19 @@ QMOE_AVX2_INLINE WordControls MakeWordControls() {
   return c;
 }
 
-// The window's values at the word's first 3 (or 4) fields, lanes 0..3.
+// The window's values at the word's first 3 (or 4) fields, in lanes 0..3 and again in 4..7:
+// a broadcast load per field and blends, where loads into lanes and inserts took shuffles
+// (docs/cpu_kernels.md §1). Without a fourth field, lanes 3 and 7 hold the first field's value;
+// the class's weights there are 0.
 template <bool kFourth>
-QMOE_AVX2_INLINE __m128 FieldValues(uint64_t word, const float* window, const WordControls& c) {
-  __m128 values = _mm_load_ss(window + __bextr_u64(word, c.field[0]));
-  values = _mm_insert_ps(values, _mm_load_ss(window + __bextr_u64(word, c.field[1])), 0x10);
-  values = _mm_insert_ps(values, _mm_load_ss(window + __bextr_u64(word, c.field[2])), 0x20);
+QMOE_AVX2_INLINE __m256 FieldValues(uint64_t word, const float* window, const WordControls& c) {
+  const __m256 first = _mm256_broadcast_ss(window + __bextr_u64(word, c.field[0]));
+  const __m256 second = _mm256_broadcast_ss(window + __bextr_u64(word, c.field[1]));
+  const __m256 third = _mm256_broadcast_ss(window + __bextr_u64(word, c.field[2]));
+  __m256 values = _mm256_blend_ps(_mm256_blend_ps(first, second, 0x22), third, 0x44);
   if (kFourth) {
-    values = _mm_insert_ps(values, _mm_load_ss(window + __bextr_u64(word, c.field[3])), 0x30);
+    values = _mm256_blend_ps(values, _mm256_broadcast_ss(window + __bextr_u64(word, c.field[3])),
+                             0x88);
   }
   return values;
 }
@@ -88,10 +95,9 @@ QMOE_AVX2_INLINE const float* AddCodeword(const DictionaryView& dictionary,
     AddEntryFromMasks(dictionary, code, WordLength(static_cast<uint32_t>(word)), window,
                       overflow_plus, overflow_minus);
   } else {
-    const __m128 values = FieldValues<kFourth>(word, window, c);
     const uint64_t row = kFourth ? __bextr_u64(word, c.plain_class) * 8
                                  : __bextr_u64(word, c.scaled_class);
-    *total = _mm256_fmadd_ps(_mm256_set_m128(values, values),
+    *total = _mm256_fmadd_ps(FieldValues<kFourth>(word, window, c),
                              _mm256_loadu_ps(&classes.weights[0][0] + row), *total);
   }
   return window + __bextr_u64(word, c.length);
@@ -131,10 +137,18 @@ QMOE_AVX2 int64_t RowsDotWith(const DictionaryView& dictionary, const RowSpan& r
     const int64_t chunked_end = std::min(end - 1, prefetch_end);
     for (; k + kCheckedChunk <= chunked_end; k += kCheckedChunk) {
       if (window >= x_end) return r;
-      for (int64_t i = 0; i < kCheckedChunk; ++i) {
-        _mm_prefetch(reinterpret_cast<const char*>(words + codes[k + i + kPrefetchDistance]),
-                     _MM_HINT_T0);
-        window = AddCodeword<kFourth, kOverflow>(dictionary, classes, controls, codes[k + i],
+      // The chunk's codes and those it prefetches for, one 8-byte load each (x86 is little
+      // endian: code i of a load is bits 16i..16i+15). Both stay at or below last_code.
+      uint64_t chunk, ahead;
+      std::memcpy(&chunk, codes + k, sizeof(chunk));
+      std::memcpy(&ahead, codes + k + kPrefetchDistance, sizeof(ahead));
+#pragma GCC unroll 4
+      for (int i = 0; i < kCheckedChunk; ++i) {
+        const auto code_at = [i](uint64_t codes4) {
+          return static_cast<uint16_t>(codes4 >> 16 * i);
+        };
+        _mm_prefetch(reinterpret_cast<const char*>(words + code_at(ahead)), _MM_HINT_T0);
+        window = AddCodeword<kFourth, kOverflow>(dictionary, classes, controls, code_at(chunk),
                                                  window, &total, &overflow_plus, &overflow_minus);
       }
     }
