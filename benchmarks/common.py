@@ -8,7 +8,10 @@ kernel benchmarks that compare against them.
 
 Imported by the benchmark scripts, which run as ``python benchmarks/<script>.py`` (from the
 repository root or anywhere: Python puts the script's folder first on sys.path); not part of
-the qmoe_jax package.
+the qmoe_jax package. Importing it puts the repository root first on sys.path, as pytest does
+(``pythonpath = ["."]``): every benchmark, and every child process it starts from its own
+script, measures this checkout's qmoe_jax, and a development build of the extension in the root
+(docs/development.md) where there is one, the installed extension otherwise.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import threading
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if sys.path[:1] != [REPO]:
+    sys.path.insert(0, REPO)
 RESULTS_DIR = os.path.join(REPO, "benchmarks", "results")
 # Checkpoints and runs a benchmark makes on the way (git ignores runs/; results/ is for the JSON).
 WORK_DIR = os.path.join(REPO, "runs", "benchmarks")

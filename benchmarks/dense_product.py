@@ -27,14 +27,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 import numpy as np
 from common import cpu_model, result_path, write_result
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
 
 def forms(matrices: list[np.ndarray]) -> dict:

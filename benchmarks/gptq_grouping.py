@@ -51,6 +51,8 @@ import time
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import common  # noqa: F401  (first: puts this checkout on sys.path before the import below)
+
 from qmoe_jax import malloc
 
 if __name__ == "__main__":  # time the solver with the malloc settings of the compression CLI

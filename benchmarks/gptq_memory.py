@@ -33,6 +33,8 @@ import sys
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import common  # noqa: F401  (first: puts this checkout on sys.path before the import below)
+
 from qmoe_jax import malloc
 
 if (

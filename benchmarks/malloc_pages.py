@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import sys
 
+import common  # noqa: F401  (first: puts this checkout on sys.path before the import below)
+
 from qmoe_jax import malloc
 
 if (

@@ -59,3 +59,22 @@ def test_imports_exist(script):
                 f"{script.name} imports {module}, which is neither a script of benchmarks/ nor "
                 "installed"
             )
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_imports_common_before_qmoe_jax(script):
+    """Importing common puts the checkout first on sys.path (common.py); a script that imports
+    qmoe_jax at its top level before that would measure the installed copy instead."""
+    if script.name == "common.py":
+        return
+    for node in ast.parse(script.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+        elif isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        else:
+            continue
+        roots = {module.split(".")[0] for module in modules}
+        if "common" in roots:
+            return
+        assert "qmoe_jax" not in roots, f"{script.name} imports qmoe_jax before common"
