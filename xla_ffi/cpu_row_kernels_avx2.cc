@@ -33,12 +33,13 @@ QMOE_AVX2 float HorizontalSum(__m128 v) {
 // BEXTR controls (start | length << 8) for the parts of a word. One BEXTR
 // takes a part out of the word and leaves the word in place, where a copy,
 // a shift and a mask took up to three instructions. With the window kept as
-// a pointer, rows_dot's chunked loop compiles (GCC 12, -O3) to 18
+// a pointer, rows_dot's chunked loop compiles (GCC 12, -O3) to 17-18
 // instructions per codeword instead of 27, or 22 instead of 32 where the
 // dictionary has 4-weight entries; its time follows that count
-// (docs/cpu_kernels.md §1).
+// (docs/cpu_kernels.md §1). Field 0, at bit 0, takes a mask instead
+// (FieldValues), so it has no control here.
 struct WordControls {
-  uint64_t field[kWordFields];
+  uint64_t field1, field2, field3;
   uint64_t length;
   // Without 4-weight entries field 3 is 0, so the 8 bits from field 3's top
   // 3 bits up to the class are class * 8: the float offset of its weights
@@ -57,12 +58,10 @@ QMOE_AVX2_INLINE WordControls MakeWordControls() {
   constexpr auto control = [](int start, int bits) {
     return static_cast<uint64_t>(start) | static_cast<uint64_t>(bits) << 8;
   };
-  WordControls c{{control(0, kWordFieldBits), control(kWordFieldBits, kWordFieldBits),
-                  control(2 * kWordFieldBits, kWordFieldBits),
-                  control(3 * kWordFieldBits, kWordFieldBits)},
-                 control(kWordLengthShift, kWordFieldBits),
-                 control(kWordClassShift - 3, kWordFieldBits + 3),
-                 control(kWordClassShift, kWordFieldBits)};
+  WordControls c{
+      control(kWordFieldBits, kWordFieldBits),          control(2 * kWordFieldBits, kWordFieldBits),
+      control(3 * kWordFieldBits, kWordFieldBits),      control(kWordLengthShift, kWordFieldBits),
+      control(kWordClassShift - 3, kWordFieldBits + 3), control(kWordClassShift, kWordFieldBits)};
   return c;
 }
 
@@ -75,11 +74,11 @@ QMOE_AVX2_INLINE __m256 FieldValues(uint64_t word, const float* window, const Wo
   // Field 0 sits at bit 0: a mask takes it, which leaves a register free for the loop where a
   // BEXTR control took one (0.97-0.99x the time on Zen 2, cpu_kernels.md §1).
   const __m256 first = _mm256_broadcast_ss(window + (word & kWordFieldMask));
-  const __m256 second = _mm256_broadcast_ss(window + __bextr_u64(word, c.field[1]));
-  const __m256 third = _mm256_broadcast_ss(window + __bextr_u64(word, c.field[2]));
+  const __m256 second = _mm256_broadcast_ss(window + __bextr_u64(word, c.field1));
+  const __m256 third = _mm256_broadcast_ss(window + __bextr_u64(word, c.field2));
   __m256 values = _mm256_blend_ps(_mm256_blend_ps(first, second, 0x22), third, 0x44);
   if (kFourth) {
-    values = _mm256_blend_ps(values, _mm256_broadcast_ss(window + __bextr_u64(word, c.field[3])),
+    values = _mm256_blend_ps(values, _mm256_broadcast_ss(window + __bextr_u64(word, c.field3)),
                              0x88);
   }
   return values;
