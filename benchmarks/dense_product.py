@@ -13,6 +13,12 @@ multiplied by the same --tokens tokens, summed, in one jitted program per form:
   bf16 kernel             kernels.dense.matmul on bfloat16 weights (the FFI kernel)
   int8 kernel             kernels.dense.matmul on int8 weights with row scales
 
+--step CONFIG runs instead the matrices of one decoding step of that model (decoding_step), each
+product's input made to depend on the one before so that XLA runs them in turn, as a decoder
+does. For switch-base that is 61 matrices, 95.5 MB in int8: every dense product of a decoded token
+but the routed experts'. Its time, beside a decoded token's (inference.py) and the products' share
+of it (decode_profile.py), says how much of a step is the products themselves.
+
 Forms are timed round by round (each round runs every form once, best of --repeats); reported:
 each form's median time, its stored bytes over that time, and the median of its per-round ratio
 to the float32 dot. The load average of every round is printed beside it: on a loaded machine the
@@ -20,6 +26,7 @@ ratios hold better than the times, and neither is a measurement of the machine.
 
     python benchmarks/dense_product.py
     python benchmarks/dense_product.py --tokens 48 --rounds 9
+    python benchmarks/dense_product.py --step switch-base-8
 """
 
 from __future__ import annotations
@@ -31,6 +38,20 @@ import time
 
 import numpy as np
 from common import cpu_model, result_path, write_result
+
+
+def decoding_step(config) -> list[tuple[int, int]]:
+    """(rows, cols) of y = W x for every dense product of one decoded token, in the decoder's
+    order: per layer the fused query-key-value kernel, the self-attention output, the
+    cross-attention query and output (its keys and values were projected once, from the encoder),
+    and in a dense layer the MLP's input kernels and ``wo``; then the output embedding."""
+    inner, d, d_ff = config.num_heads * config.d_kv, config.d_model, config.d_ff
+    shapes = []
+    for layer in range(config.num_decoder_layers):
+        shapes += [(3 * inner, d), (d, inner), (inner, d), (d, inner)]
+        if not config.is_sparse_layer(layer, decoder=True):
+            shapes += [(d_ff, d)] * (2 if config.gated_mlp else 1) + [(d, d_ff)]
+    return shapes + [(config.vocab_size, d)]
 
 
 def forms(matrices: list[np.ndarray]) -> dict:
@@ -75,6 +96,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=3072)
     parser.add_argument("--cols", type=int, default=768)
     parser.add_argument("--tokens", type=int, default=1)
+    parser.add_argument(
+        "--step",
+        default=None,
+        metavar="CONFIG",
+        help="the matrices of one decoding step of this model config (e.g. switch-base-8) "
+        "instead of --matrices x --rows x --cols",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", default=result_path("dense_product"))
@@ -83,18 +111,35 @@ def main() -> None:
     import jax
 
     rng = np.random.default_rng(0)
+    if args.step:
+        from qmoe_jax.models.configs import get_config
+
+        shapes = decoding_step(get_config(args.step))
+    else:
+        shapes = [(args.rows, args.cols)] * args.matrices
     matrices = [
-        (rng.standard_normal((args.rows, args.cols)) / np.sqrt(args.cols)).astype(np.float32)
-        for _ in range(args.matrices)
+        (rng.standard_normal(shape) / np.sqrt(shape[1])).astype(np.float32) for shape in shapes
     ]
-    x = jax.numpy.asarray(rng.standard_normal((args.tokens, args.cols)).astype(np.float32))
+    x = {
+        cols: jax.numpy.asarray(rng.standard_normal((args.tokens, cols)).astype(np.float32))
+        for cols in sorted({cols for _, cols in shapes})
+    }
     runs = {}
     for name, (product, weights) in forms(matrices).items():
 
         def total(x, weights, product=product):
-            return sum(product(x, w) for w in weights)
+            return sum(product(x[args.cols], w) for w in weights)
 
-        runs[name] = (jax.jit(total), weights)
+        def step(x, weights, product=product):
+            # Each product's input depends on the one before (adding 0 times one of its outputs),
+            # so that XLA runs them one after the other, as a decoder does, and not side by side.
+            carry, results = 0.0, []
+            for (_, cols), w in zip(shapes, weights, strict=True):
+                results.append(product(x[cols] + carry, w))
+                carry = 0.0 * results[-1][:, :1]
+            return results
+
+        runs[name] = (jax.jit(step if args.step else total), weights)
         jax.block_until_ready(runs[name][0](x, weights))  # compiles
     times = {name: [] for name in runs}
     loads = []
@@ -110,8 +155,13 @@ def main() -> None:
         print(f"round {number + 1}/{args.rounds} (load {loads[-1]:.1f})", flush=True)
 
     cpu = cpu_model()
+    pattern = (
+        f"the {len(shapes)} matrices of a {args.step} decoding step"
+        if args.step
+        else f"{args.matrices} matrices {args.rows}x{args.cols}"
+    )
     print(
-        f"\nCPU: {cpu}, {os.cpu_count()} cores; {args.matrices} matrices {args.rows}x{args.cols}, "
+        f"\nCPU: {cpu}, {os.cpu_count()} cores; {pattern}, "
         f"{args.tokens} token(s); load average {min(loads):.1f} to {max(loads):.1f} (a loaded "
         "machine's times are not measurements)"
     )
@@ -131,7 +181,11 @@ def main() -> None:
                 "time_over_f32_dot": ratio,
             }
         )
-    write_result("dense_product", {"load_averages": loads, "rows": rows}, args.output)
+    write_result(
+        "dense_product",
+        {"load_averages": loads, "step": args.step, "shapes": shapes, "rows": rows},
+        args.output,
+    )
 
 
 if __name__ == "__main__":
