@@ -38,8 +38,8 @@ numpy may use for the synthetic data, still runs with OPENBLAS_NUM_THREADS=1 unl
 environment sets it: its own thread pool, next to XLA's, collapsed when the cores were
 oversubscribed (docs/measurements.md, gptq_grouping.py, has the measurement).
 
-    python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072]
-    [--modes sequential,vmapped]
+    python benchmarks/gptq_grouping.py [--quick] [--experts 16] [--d_model 768] [--d_ff 3072] \\
+        [--modes sequential,vmapped]
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ CPU only (RSS is host memory); Linux only (/proc). The children run with the com
 malloc settings (huge pages where they help, two arenas: qmoe_jax/malloc.py). Shapes: switch-base's
 wi (W[3072, 768]) and wo (W[768, 3072]) unless --shapes says otherwise.
 
-    python benchmarks/gptq_memory.py [--experts 1,2,4,8] [--modes sequential,vmapped] [--shapes
-    3072x768,768x3072]
+    python benchmarks/gptq_memory.py [--experts 1,2,4,8] [--modes sequential,vmapped] \\
+        [--shapes 3072x768,768x3072]
 """
 
 from __future__ import annotations

@@ -36,8 +36,7 @@ posix_fadvise(POSIX_FADV_DONTNEED), and reports which it used. Disk reads come
 from /proc/self/io (read_bytes), compared with the bytes the distinct routed
 experts hold (codewords in use, row offsets, min/max).
 
-    python benchmarks/larger_than_ram.py                      # builds ~28 GB in --work_dir,
-    measures, deletes it
+    python benchmarks/larger_than_ram.py     # builds ~28 GB in --work_dir, measures, deletes it
 
 A full disk while building stops the benchmark and removes what it made.
 """

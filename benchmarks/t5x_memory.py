@@ -27,7 +27,7 @@ Needs a T5X environment (docs/gin.md §9) with qmoe_jax installed, about 2 × th
 free memory for the export's run (switch-base-64: about 7 GB in bfloat16), and disk for both
 checkpoints. Timings are not reported: they are not the point, and the machine may be shared.
 
-    python benchmarks/t5x_memory.py [--work_dir runs/benchmarks/t5x_memory] [--num_experts 64]
+    python benchmarks/t5x_memory.py [--work_dir runs/benchmarks/t5x_memory] [--num_experts 64] \\
         [--examples 8] [--keep]
 
 The figures go to benchmarks/results/t5x_memory.json, with the machine facts of

@@ -1,10 +1,10 @@
 """Compress a SwitchTransformer checkpoint to sub-1-bit experts (the main job).
 
     python -m qmoe_jax.compress                       # the bundled model, bundled calibration text
-    python -m qmoe_jax.compress --checkpoint
-    gs://t5-data/pretrained_models/t5x/moe/switch_classic/base/e128/checkpoint_611800 \\
-        --tokenizer sentencepiece.model --calibration c4:/data/c4/en --num_samples 10000
-        --inputs_length 512 \\ --output_dir /data/switch-base-128-ternary
+    python -m qmoe_jax.compress --checkpoint \\
+        gs://t5-data/pretrained_models/t5x/moe/switch_classic/base/e128/checkpoint_611800 \\
+        --tokenizer sentencepiece.model --calibration c4:/data/c4/en --num_samples 10000 \\
+        --inputs_length 512 --output_dir /data/switch-base-128-ternary
 
 Re-running the same command after an interruption resumes at the first
 unfinished layer; the result is bit-identical to an uninterrupted run.

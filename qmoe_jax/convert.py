@@ -3,8 +3,8 @@ inference.
 
     python -m qmoe_jax.convert --layout mmap --checkpoint runs/compressed/switch-mini-8 \\
         --output_dir runs/mapped/switch-mini-8
-    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped --prompt
-    "..."
+    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped \\
+        --prompt "..."
 
 The output holds the same dense parameters and dictionaries, and each sparse
 layer's expert stacks as one raw file of page-aligned arrays that inference

@@ -1,16 +1,15 @@
 """Span-corruption validation loss of a T5X or compressed checkpoint, the paper's quality metric.
 
-    python -m qmoe_jax.evaluate                     # the bundled model on its held-out validation
-    plays python -m qmoe_jax.evaluate --checkpoint runs/compressed/switch-mini-8     # the main
-    job's output python -m qmoe_jax.evaluate --checkpoint gs://.../checkpoint_500100 --config
-    switch-base-8 \\
+    python -m qmoe_jax.evaluate                     # the bundled model on its held-out plays
+    python -m qmoe_jax.evaluate --checkpoint runs/compressed/switch-mini-8  # the main job's output
+    python -m qmoe_jax.evaluate --checkpoint gs://.../checkpoint_500100 --config switch-base-8 \\
         --tokenizer cc_all.32000/sentencepiece.model --c4 /data/c4/en --num_samples 1000
 
 With ``--gin_file`` it runs gin-driven, as ``t5x.eval`` does (docs/gin.md):
 
     python -m qmoe_jax.evaluate --gin_file=runs/eval.gin --gin_file=models/switch_mini_8.gin \\
-        --gin.CHECKPOINT_PATH="'runs/compressed/switch-mini-8'" --gin.EVAL_OUTPUT_DIR="'runs/eval'"
-        \\ --gin.MIXTURE_OR_TASK_NAME="'bundled_span_corruption'"
+        --gin.CHECKPOINT_PATH="'runs/compressed/switch-mini-8'" \\
+        --gin.EVAL_OUTPUT_DIR="'runs/eval'" --gin.MIXTURE_OR_TASK_NAME="'bundled_span_corruption'"
 
 Without it, it prints one JSON line: the loss (nats per target token, length-weighted), the
 number of examples, the uniform predictor's loss for scale, target tokens per

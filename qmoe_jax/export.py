@@ -1,9 +1,9 @@
 """Export a compressed checkpoint as a dequantized bfloat16 T5X checkpoint, for stock T5X and
 flaxformer.
 
-    python -m qmoe_jax.export --checkpoint runs/compressed/switch-mini-8 --output_dir
-    runs/t5x/switch-mini-8 python -m qmoe_jax.export --checkpoint ... --output_dir ... --format
-    orbax
+    python -m qmoe_jax.export --checkpoint runs/compressed/switch-mini-8 \\
+        --output_dir runs/t5x/switch-mini-8
+    python -m qmoe_jax.export --checkpoint ... --output_dir ... --format orbax
 
 The export is full bfloat16 size (2 bytes per parameter, experts included):
 it suits quality evaluation with t5x.eval, not switch-c-2048 on one machine;

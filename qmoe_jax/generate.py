@@ -2,11 +2,10 @@
 
     python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 \\
         --prompt "To be, or not to be, <extra_id_0> is the question."
-    python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 --input_file
-    prompts.jsonl \\
-        --decoding beam --beam_size 4 --output_file out.jsonl
-    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped --prompt
-    "..."
+    python -m qmoe_jax.generate --checkpoint runs/compressed/switch-mini-8 \\
+        --input_file prompts.jsonl --decoding beam --beam_size 4 --output_file out.jsonl
+    python -m qmoe_jax.generate --checkpoint runs/mapped/switch-mini-8 --experts mapped \\
+        --prompt "..."
 
 A mapped checkpoint (``python -m qmoe_jax.convert --layout mmap``) keeps the
 expert codes on disk until routed tokens touch them (``--verify``,
