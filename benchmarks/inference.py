@@ -22,9 +22,15 @@ Measures, greedy decoding at batch 1 from a random prompt of --prompt_length tok
                     output embedding (tied logits; or logits_dense), one routed expert per
                     sparse decoder layer (compressed: the mean expert's codes, row offsets and
                     row grid), and the KV cache at its mean length
-  bound ms          MB/token / the copy bandwidth measured in the same run, beside every round
+  bound ms          MB/token / the copy bandwidth measured right before the form's round
                     (benchmarks/common.py: every core copying, read + write bytes)
-  of bound          bound ms / measured ms per token
+  of bound          bound ms / measured ms per token, per round
+
+The copy bandwidth is measured again before every form's round, not once per round: on a VM
+it moves in steps (about 37 or about 60 GB/s on the Zen 2 of docs/measurements.md, for tens of
+seconds at a time), and a copy measured after the dense f32 form's seconds of streaming read
+38 GB/s where one after the int8 form's read 61, so a figure from the start of the round
+stood for whichever form ran after it, not for the others.
 
 Each form of a model lives in its own child process for the whole run (so that its peak RSS is
 its own), and the driver asks them for one measurement each in turn, round after round: on a
@@ -392,18 +398,18 @@ def measure_model(model: str, path: str, forms: list[str], args) -> list[dict]:
             print(f"  {model} / {form}: loading and compiling", flush=True)
             children.append(Child(path, form, args))
         rounds = {form: [] for form in forms}
-        bandwidth = []
         for number in range(args.rounds):
-            copy = memory_bandwidth(megabytes=args.bandwidth_mb)["copy_gb_s"]
-            bandwidth.append(copy)
             for child in children:
+                copy = memory_bandwidth(megabytes=args.bandwidth_mb)["copy_gb_s"]
                 rounds[child.form].append(child.round() | {"copy_gb_s": copy})
             line = ", ".join(
-                f"{f} {1e3 * rounds[f][-1]['decode_seconds_per_token']:.2f}" for f in forms
+                f"{f} {1e3 * rounds[f][-1]['decode_seconds_per_token']:.2f} "
+                f"({rounds[f][-1]['copy_gb_s']:.0f} GB/s)"
+                for f in forms
             )
             print(
-                f"  round {number + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f}, copy "
-                f"{copy:.1f} GB/s): ms/token {line}",
+                f"  round {number + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f}): ms/token "
+                f"(copy before it) {line}",
                 flush=True,
             )
     finally:
@@ -537,10 +543,13 @@ def main() -> None:
             + f"{row['peak_rss_gib']:>10.2f}"
         )
     loads = [r["load_average"] for row in rows for r in row["rounds"]]
+    copies = [r["copy_gb_s"] for row in rows for r in row["rounds"]]
     print(
         f"\nCPU: {cpu}, {os.cpu_count()} cores; load average {started_load[0]:.1f} at the start, "
         f"{min(loads):.1f} to {max(loads):.1f} over the rounds (a loaded machine's times are not "
-        "measurements); synthetic models: random ternary codes at P(0) = 0.885, no dense source"
+        f"measurements); copy {min(copies):.1f}-{max(copies):.1f} GB/s (median "
+        f"{statistics.median(copies):.1f}) before the forms' rounds; synthetic models: random "
+        "ternary codes at P(0) = 0.885, no dense source"
     )
     print("\n".join(lines))
     write_result(
