@@ -29,8 +29,8 @@ Measures, greedy decoding at batch 1 from a random prompt of --prompt_length tok
 The copy bandwidth is measured again before every form's round, not once per round: on a VM
 it moves in steps (about 37 or about 60 GB/s on the Zen 2 of docs/measurements.md, for tens of
 seconds at a time), and a copy measured after the dense f32 form's seconds of streaming read
-38 GB/s where one after the int8 form's read 61, so a figure from the start of the round
-stood for whichever form ran after it, not for the others.
+38 GB/s where one after the int8 form's read 61, so a figure taken at the start of a round
+told of the form that ran last in the round before, not of the forms it was paired with.
 
 Each form of a model lives in its own child process for the whole run (so that its peak RSS is
 its own), and the driver asks them for one measurement each in turn, round after round: on a
