@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 
 import jax
@@ -45,6 +46,21 @@ class ZeroCounter:
             return next_fun(*args, **kwargs)
         finally:
             self._modules.pop()
+
+    @contextlib.contextmanager
+    def counting(self):
+        """Counts, while inside, every ReLU hidden unit the models' MLPs form as they are traced."""
+        import flax.linen as nn
+
+        from qmoe_jax.models import mlp
+
+        original = mlp.activation
+        mlp.activation = self.activation(original)
+        try:
+            with nn.intercept_methods(self.intercept):
+                yield self
+        finally:
+            mlp.activation = original
 
     def _record(self, label, zeros, live):
         self.counts[label][0] += int(zeros)
@@ -86,29 +102,20 @@ def main() -> None:
     parser.add_argument("--output", default=result_path("activation_sparsity"))
     args = parser.parse_args()
 
-    import flax.linen as nn
-
-    from qmoe_jax.models import mlp
-
     tokenizer = Tokenizer(args.tokenizer or bundled.tokenizer_path())
     source = f"c4:{args.c4}" if args.c4 else "bundled"
     validation = validation_set(source, tokenizer, args.num_samples, args.inputs_length)
     model = open_model_from_args(args)
     counter = ZeroCounter()
-    original = mlp.activation
-    mlp.activation = counter.activation(original)
-    try:
-        with nn.intercept_methods(counter.intercept):
-            loss = mean_cross_entropy(
-                model.module,
-                model.params,
-                validation.examples,
-                args.batch_size,
-                validation.encoder_length,
-                validation.decoder_length,
-            )
-    finally:
-        mlp.activation = original
+    with counter.counting():
+        loss = mean_cross_entropy(
+            model.module,
+            model.params,
+            validation.examples,
+            args.batch_size,
+            validation.encoder_length,
+            validation.decoder_length,
+        )
     jax.effects_barrier()
 
     layers = []

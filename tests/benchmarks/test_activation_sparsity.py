@@ -33,13 +33,10 @@ def test_counts_zero_hidden_units_of_live_rows_by_module():
     params = block.init(jax.random.PRNGKey(1), x)
     counter = activation_sparsity.ZeroCounter()
     original = mlp.activation
-    mlp.activation = counter.activation(original)
-    try:
-        with nn.intercept_methods(counter.intercept):
-            jax.jit(block.apply)(params, x).block_until_ready()
-    finally:
-        mlp.activation = original
+    with counter.counting():
+        jax.jit(block.apply)(params, x).block_until_ready()
     jax.effects_barrier()
+    assert mlp.activation is original  # restored on the way out
 
     kernel = params["params"]["mlp"]["wi"]["kernel"]
     pre = np.asarray(jnp.einsum("btd,df->btf", x, kernel))
