@@ -1,4 +1,4 @@
-"""Products with bfloat16 and int8 dense weights on XLA:CPU: the qmoe_dense_matmul kernel against
+"""Products with dense weights on XLA:CPU for few tokens: the qmoe_dense_matmul kernels against
 XLA's own formulations and the float32 dot.
 
 A decoding step multiplies one token by every dense matrix of the decoder once. This runs that
@@ -10,8 +10,14 @@ multiplied by the same --tokens tokens, summed, in one jitted program per form:
   int8 convert+dot        (x @ W.astype(float32)) * scales, W int8
   int8 multiply-reduce    sum(W.astype(float32) * x, axis=-1) * scales, W int8 [rows, cols]
   bf16 native dot         XLA's bfloat16 dot, float32 result
+  f32 kernel [in, out]    kernels.dense.kernel_matmul on the float32 baseline's W (up to 8
+                          tokens: the FFI kernel qmoe_dense_matmul_t)
+  f32 kernel [rows, cols] kernels.dense.rows_matmul on W float32 [rows, cols] (up to 8 tokens:
+                          the FFI kernel qmoe_dense_matmul)
   bf16 kernel             kernels.dense.matmul on bfloat16 weights (the FFI kernel)
   int8 kernel             kernels.dense.matmul on int8 weights with row scales
+
+--forms picks some of them (the float32 dot always runs: it is what the ratios divide by).
 
 --step CONFIG runs instead the matrices of one decoding step of that model (decoding_step), each
 product's input made to depend on the one before so that XLA runs them in turn, as a decoder
@@ -27,6 +33,7 @@ ratios hold better than the times, and neither is a measurement of the machine.
     python benchmarks/dense_product.py
     python benchmarks/dense_product.py --tokens 48 --rounds 9
     python benchmarks/dense_product.py --step switch-base-8
+    python benchmarks/dense_product.py --step switch-base-8 --forms "f32 kernel [in, out]"
 """
 
 from __future__ import annotations
@@ -54,18 +61,43 @@ def decoding_step(config) -> list[tuple[int, int]]:
     return shapes + [(config.vocab_size, d)]
 
 
-def forms(matrices: list[np.ndarray]) -> dict:
-    """{form: (product(x, weight), weights)} for the float32 matrices W[rows, cols]."""
+FORM_NAMES = (
+    "f32 dot",
+    "bf16 convert+dot",
+    "int8 convert+dot",
+    "int8 multiply-reduce",
+    "bf16 native dot",
+    "f32 kernel [in, out]",
+    "f32 kernel [rows, cols]",
+    "bf16 kernel",
+    "int8 kernel",
+)
+
+
+def forms(matrices: list[np.ndarray], names=FORM_NAMES) -> dict:
+    """{form: (product(x, weight), weights)} for the float32 matrices W[rows, cols], the forms
+    ``names`` in FORM_NAMES' order."""
     import jax.numpy as jnp
 
     from qmoe_jax.kernels import dense
     from qmoe_jax.quant.int8 import quantize_int8
 
-    float32 = [jnp.asarray(w.T.copy()) for w in matrices]
-    bfloat16 = [jnp.asarray(w.T.copy(), jnp.bfloat16) for w in matrices]
-    int8 = [quantize_int8(w) for w in matrices]
-    int8_t = [(codes.T.copy(), scales) for codes, scales in int8]
-    return {
+    def float32():
+        return [jnp.asarray(w.T.copy()) for w in matrices]
+
+    def bfloat16():
+        return [jnp.asarray(w.T.copy(), jnp.bfloat16) for w in matrices]
+
+    def int8():
+        return [quantize_int8(w) for w in matrices]
+
+    def int8_t():
+        return [(codes.T.copy(), scales) for codes, scales in int8()]
+
+    def packed(form):
+        return lambda: [dense.pack(w, form) for w in matrices]
+
+    makers = {
         "f32 dot": (lambda x, w: x @ w, float32),
         "bf16 convert+dot": (lambda x, w: x @ w.astype(jnp.float32), bfloat16),
         "int8 convert+dot": (lambda x, w: (x @ w[0].astype(jnp.float32)) * w[1], int8_t),
@@ -77,9 +109,12 @@ def forms(matrices: list[np.ndarray]) -> dict:
             lambda x, w: jnp.dot(x.astype(jnp.bfloat16), w, preferred_element_type=jnp.float32),
             bfloat16,
         ),
-        "bf16 kernel": (dense.matmul, [dense.pack(w, "bfloat16") for w in matrices]),
-        "int8 kernel": (dense.matmul, [dense.pack(w, "int8") for w in matrices]),
+        "f32 kernel [in, out]": (dense.kernel_matmul, float32),
+        "f32 kernel [rows, cols]": (dense.rows_matmul, lambda: [jnp.asarray(w) for w in matrices]),
+        "bf16 kernel": (dense.matmul, packed("bfloat16")),
+        "int8 kernel": (dense.matmul, packed("int8")),
     }
+    return {name: (product, make()) for name, (product, make) in makers.items() if name in names}
 
 
 def stored_bytes(weights) -> int:
@@ -103,6 +138,14 @@ def main() -> None:
         help="the matrices of one decoding step of this model config (e.g. switch-base-8) "
         "instead of --matrices x --rows x --cols",
     )
+    parser.add_argument(
+        "--forms",
+        nargs="+",
+        choices=FORM_NAMES,
+        default=list(FORM_NAMES),
+        metavar="FORM",
+        help="forms to time besides the float32 dot (default: all of them)",
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output", default=result_path("dense_product"))
@@ -125,7 +168,8 @@ def main() -> None:
         for cols in sorted({cols for _, cols in shapes})
     }
     runs = {}
-    for name, (product, weights) in forms(matrices).items():
+    chosen = {"f32 dot", *args.forms}
+    for name, (product, weights) in forms(matrices, chosen).items():
 
         def total(x, weights, product=product):
             return sum(product(x[args.cols], w) for w in weights)

@@ -41,6 +41,7 @@ constexpr int64_t kTasksPerThread = 2;
 #define QMOE_DENSE_AVX2_INLINE QMOE_DENSE_AVX2 __attribute__((always_inline)) inline
 
 inline float ToFloat(int8_t w) { return static_cast<float>(w); }
+inline float ToFloat(float w) { return w; }
 inline float ToFloat(uint16_t w) {
   const uint32_t bits = static_cast<uint32_t>(w) << 16;
   float value;
@@ -75,6 +76,8 @@ QMOE_DENSE_AVX2_INLINE __m256 LoadWeights8(const uint16_t* w) {
   const __m128i halves = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(halves), 16));
 }
+
+QMOE_DENSE_AVX2_INLINE __m256 LoadWeights8(const float* w) { return _mm256_loadu_ps(w); }
 
 QMOE_DENSE_AVX2_INLINE float Sum8(__m256 v) {
   __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -240,8 +243,8 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t) {
 
 // One task: rows [r0, r1) times tokens [t0, t1), three tokens at a time (the
 // first tokens left over two or one at a time). One token takes tiles of 4 int8
-// rows or 8 bfloat16 rows, the heights that decoded fastest (docs/dense_forms.md
-// has the comparison).
+// rows or 8 bfloat16 or float32 rows, the heights that decoded fastest
+// (docs/dense_forms.md has the comparison).
 template <typename W, bool kAvx2>
 void Block(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t t1) {
   int64_t t = t0;
@@ -277,11 +280,13 @@ void Run(ffi::ThreadPool& pool, const Problem& p, bool avx2) {
   });
 }
 
+}  // namespace
+
 bool CpuHasAvx2Fma() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
 
 // AVX2 unless QMOE_CPU_ISA=portable (or the CPU lacks it); avx512 runs the AVX2
 // code, which reads memory as fast.
-ffi::Error SelectDenseIsa(bool* avx2) {
+ffi::Error SelectDenseIsa(const char* op, bool* avx2) {
   const char* requested = std::getenv("QMOE_CPU_ISA");
   const std::string_view isa = requested ? requested : "";
   if (isa.empty() || isa == "auto") {
@@ -292,16 +297,18 @@ ffi::Error SelectDenseIsa(bool* avx2) {
     *avx2 = true;
   } else if (isa == "avx2" || isa == "avx512") {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                      std::string(kDenseMatmul) + ": QMOE_CPU_ISA=" + std::string(isa) +
+                      std::string(op) + ": QMOE_CPU_ISA=" + std::string(isa) +
                           " but this CPU lacks it; unset QMOE_CPU_ISA or pick another");
   } else {
-    return ffi::Error::InvalidArgument(std::string(kDenseMatmul) +
+    return ffi::Error::InvalidArgument(std::string(op) +
                                        ": QMOE_CPU_ISA must be auto, avx512, avx2 or portable; "
                                        "got '" +
                                        std::string(isa) + "'");
   }
   return ffi::Error::Success();
 }
+
+namespace {
 
 ffi::Error Invalid(const std::string& message) {
   return ffi::Error::InvalidArgument(std::string(kDenseMatmul) + ": " + message);
@@ -314,8 +321,9 @@ ffi::Error DenseMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const Dims scale_dims = scales.dimensions();
   const Dims y_dims = y->dimensions();
   const bool int8 = w.element_type() == ffi::DataType::S8;
-  if (!int8 && w.element_type() != ffi::DataType::BF16) {
-    return Invalid("w must be int8 or bfloat16");
+  const bool f32 = w.element_type() == ffi::DataType::F32;
+  if (!int8 && !f32 && w.element_type() != ffi::DataType::BF16) {
+    return Invalid("w must be float32, bfloat16 or int8");
   }
   if (w_dims.size() != 2) return Invalid("w must be [rows, cols]; got " + ShapeString(w_dims));
   const int64_t rows = w_dims[0], cols = w_dims[1];
@@ -331,16 +339,16 @@ ffi::Error DenseMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   const int64_t expected_scales = int8 ? rows : 0;
   if (scale_dims.size() != 1 || scale_dims[0] != expected_scales) {
     return Invalid(std::string("scales must be [") + std::to_string(expected_scales) + "] (" +
-                   (int8 ? "one per row of int8 weights" : "none for bfloat16 weights") +
+                   (int8 ? "one per row of int8 weights" : "none for float32 or bfloat16 weights") +
                    "); got " + ShapeString(scale_dims));
   }
   bool avx2 = false;
-  if (auto error = SelectDenseIsa(&avx2); error.failure()) return error;
+  if (auto error = SelectDenseIsa(kDenseMatmul, &avx2); error.failure()) return error;
   if (tokens == 0 || rows == 0) return ffi::Error::Success();
   // bfloat16 rows of whole 16-column steps take the pair tiles, with x split into its even and
   // odd columns once per call.
   std::vector<float> x_pairs;
-  if (!int8 && avx2 && cols % 16 == 0) {
+  if (!int8 && !f32 && avx2 && cols % 16 == 0) {
     x_pairs.resize(tokens * cols);
     const float* source = x.typed_data();
     for (int64_t t = 0; t < tokens; ++t) {
@@ -359,7 +367,9 @@ ffi::Error DenseMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
                         tokens,
                         rows,
                         cols};
-  if (int8) {
+  if (f32) {
+    Run<float>(pool, problem, avx2);
+  } else if (int8) {
     Run<int8_t>(pool, problem, avx2);
   } else {
     Run<uint16_t>(pool, problem, avx2);

@@ -32,6 +32,7 @@ py::dict Registrations() {
   cpu["qmoe_gptq_block"] = Capsule(QmoeGptqBlockCpu);
   cpu["qmoe_cholesky_base"] = Capsule(QmoeCholeskyBaseCpu);
   cpu["qmoe_dense_matmul"] = Capsule(QmoeDenseMatmulCpu);
+  cpu["qmoe_dense_matmul_t"] = Capsule(QmoeDenseMatmulTransposedCpu);
   platforms["cpu"] = cpu;
 #ifdef QMOE_WITH_CUDA
   py::dict cuda;

@@ -3,7 +3,8 @@ CUDA handlers in xla_ffi/cuda_kernels.h when built with QMOE_CUDA=ON), of the ro
 on the CPU (xla_ffi/cpu_routed.h: each token through the expert it names), of
 GPTQ's CPU block kernel (xla_ffi/cpu_gptq.h, ``gptq_block_call``), of the CPU kernel for the
 Cholesky's diagonal blocks (xla_ffi/cpu_cholesky.h, ``cholesky_base_call``) and of the CPU
-product with bfloat16 or int8 dense weights (xla_ffi/cpu_dense.h, ``dense_matmul_call``).
+product with float32, bfloat16 or int8 dense weights, and with a float32 T5X kernel [in, out]
+(xla_ffi/cpu_dense.h, ``dense_matmul_call`` and ``dense_matmul_t_call``).
 
 Lingo: W[rows, cols] in y = W·x orientation; B... are leading batch dims
 (experts, vmapped axes) shared by the compressed arrays and the dense operand;
@@ -42,6 +43,7 @@ DEQUANTIZE = "qmoe_dequantize"
 GPTQ_BLOCK = "qmoe_gptq_block"
 CHOLESKY_BASE = "qmoe_cholesky_base"
 DENSE_MATMUL = "qmoe_dense_matmul"
+DENSE_MATMUL_TRANSPOSED = "qmoe_dense_matmul_t"
 PLUS_SLOTS = 8
 MINUS_SLOTS = 7
 UNUSED_SLOT = 31
@@ -305,11 +307,20 @@ def cholesky_base_call(matrix):
 
 
 def dense_matmul_call(x, weights, scales):
-    """y float32[N, rows] = (x · Wᵀ) · scales for x float32[N, cols] and weights bfloat16|int8[rows,
-    cols] on the CPU (xla_ffi/cpu_dense.h); ``scales`` is float32[rows] for int8 weights and
-    float32[0] for bfloat16 ones. No autodiff or vmap rule: ``kernels.dense`` calls it."""
+    """y float32[N, rows] = (x · Wᵀ) · scales for x float32[N, cols] and weights
+    float32|bfloat16|int8[rows, cols] on the CPU (xla_ffi/cpu_dense.h); ``scales`` is
+    float32[rows] for int8 weights and float32[0] for the others. No autodiff rule:
+    ``kernels.dense`` calls it. Under vmap the kernel runs once per mapped entry."""
     result = jax.ShapeDtypeStruct((x.shape[0], weights.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(DENSE_MATMUL, result)(x, weights, scales)
+    return jax.ffi.ffi_call(DENSE_MATMUL, result, vmap_method="sequential")(x, weights, scales)
+
+
+def dense_matmul_t_call(x, kernel):
+    """y float32[N, out] = x · kernel for x float32[N, in] and a float32 T5X kernel [in, out] on
+    the CPU (xla_ffi/cpu_dense.h), for few tokens. No autodiff rule: ``kernels.dense`` calls it.
+    Under vmap the kernel runs once per mapped entry."""
+    result = jax.ShapeDtypeStruct((x.shape[0], kernel.shape[1]), jnp.float32)
+    return jax.ffi.ffi_call(DENSE_MATMUL_TRANSPOSED, result, vmap_method="sequential")(x, kernel)
 
 
 def _with_input_gradient(call, transposed_call, doc: str):

@@ -13,6 +13,13 @@ own CPU formulations of the same product (a convert feeding a dot, or a
 multiply-and-reduce) convert the whole matrix into a float32 buffer first
 and come out slower than the float32 dot (docs/dense_forms.md). On other
 platforms the jnp twin ``matmul_reference`` runs, which XLA fuses there.
+
+Float32 weights left unpacked (``--dense_dtype float32``, as T5X stores them) take the same road
+for a few tokens, as a decoding step has: ``kernel_matmul`` (a T5X kernel [in, out], through
+``qmoe_dense_matmul_t``) and ``rows_matmul`` (a matrix [rows, cols] such as the embedding for
+tied logits, through ``qmoe_dense_matmul``) read the weights as a few long streams, faster than
+XLA's dot does one token at a time (docs/dense_forms.md). With more tokens, and on other
+platforms, they are XLA's dot. Both are differentiable: their gradients are XLA's products.
 """
 
 from __future__ import annotations
@@ -26,6 +33,11 @@ import numpy as np
 from qmoe_jax.quant.int8 import dequantize_int8, quantize_int8
 
 FORMS = ("bfloat16", "int8")
+# Tokens up to which a float32 product runs through the CPU kernels (``kernel_matmul``,
+# ``rows_matmul``) instead of XLA's dot: a decoding step's batch. The kernels read the weights
+# once per 8 tokens (``qmoe_dense_matmul_t``) or per 3 (``qmoe_dense_matmul``), where XLA's dot
+# with many tokens is a matrix product that reads them once (docs/dense_forms.md).
+FLOAT32_KERNEL_TOKENS = 8
 
 
 @jax.tree_util.register_pytree_node_class
@@ -155,3 +167,87 @@ def matmul(x: jax.Array, packed: PackedMatrix) -> jax.Array:
         tokens, packed.values, _scales_operand(packed), cpu=_native, default=_twin
     )
     return y.reshape(*lead, packed.rows)
+
+
+def _native_t(x, kernel):
+    from qmoe_jax.kernels import bindings  # the extension, only where the CPU kernel runs
+
+    return bindings.dense_matmul_t_call(x, kernel)
+
+
+def _native_rows(x, matrix):
+    from qmoe_jax.kernels import bindings
+
+    return bindings.dense_matmul_call(x, matrix, jnp.zeros((0,), jnp.float32))
+
+
+@jax.custom_vjp
+def _kernel_product(x, kernel):
+    return jax.lax.platform_dependent(x, kernel, cpu=_native_t, default=jnp.dot)
+
+
+def _kernel_product_fwd(x, kernel):
+    return _kernel_product(x, kernel), (x, kernel)
+
+
+def _kernel_product_bwd(saved, g):
+    x, kernel = saved
+    return jnp.dot(g, kernel.T), jnp.dot(x.T, g)
+
+
+_kernel_product.defvjp(_kernel_product_fwd, _kernel_product_bwd)
+
+
+@jax.custom_vjp
+def _rows_product(x, matrix):
+    return jax.lax.platform_dependent(
+        x, matrix, cpu=_native_rows, default=lambda x, matrix: jnp.dot(x, matrix.T)
+    )
+
+
+def _rows_product_fwd(x, matrix):
+    return _rows_product(x, matrix), (x, matrix)
+
+
+def _rows_product_bwd(saved, g):
+    x, matrix = saved
+    return jnp.dot(g, matrix), jnp.dot(g.T, x)
+
+
+_rows_product.defvjp(_rows_product_fwd, _rows_product_bwd)
+
+
+def _few_tokens(x: jax.Array, weights: jax.Array, width: int) -> bool:
+    """The float32 kernels take ``x @ weights``: float32, at most FLOAT32_KERNEL_TOKENS tokens
+    (and at least one), the widths matching (jnp.dot reports a mismatch)."""
+    return (
+        x.ndim >= 1
+        and weights.ndim == 2
+        and x.dtype == jnp.float32
+        and weights.dtype == jnp.float32
+        and x.shape[-1] == width
+        and 1 <= math.prod(x.shape[:-1]) <= FLOAT32_KERNEL_TOKENS
+    )
+
+
+def kernel_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """``jnp.dot(x, kernel)`` for a T5X kernel [in, out] and x [..., in]. With float32 operands
+    and at most ``FLOAT32_KERNEL_TOKENS`` tokens, the CPU runs ``qmoe_dense_matmul_t`` (XLA's dot
+    elsewhere; the gradients are XLA's products); otherwise it is ``jnp.dot``."""
+    if not _few_tokens(x, kernel, kernel.shape[0] if kernel.ndim == 2 else -1):
+        return jnp.dot(x, kernel)
+    lead = x.shape[:-1]
+    y = _kernel_product(x.reshape(math.prod(lead), x.shape[-1]), kernel)
+    return y.reshape(*lead, kernel.shape[1])
+
+
+def rows_matmul(x: jax.Array, matrix: jax.Array) -> jax.Array:
+    """``jnp.dot(x, matrix.T)`` for a matrix [rows, cols] (y = W·x orientation, such as the token
+    embedding for tied logits) and x [..., cols]. With float32 operands and at most
+    ``FLOAT32_KERNEL_TOKENS`` tokens, the CPU runs ``qmoe_dense_matmul`` (XLA's dot elsewhere;
+    the gradients are XLA's products); otherwise it is ``jnp.dot``."""
+    if not _few_tokens(x, matrix, matrix.shape[-1] if matrix.ndim == 2 else -1):
+        return jnp.dot(x, matrix.T)
+    lead = x.shape[:-1]
+    y = _rows_product(x.reshape(math.prod(lead), x.shape[-1]), matrix)
+    return y.reshape(*lead, matrix.shape[0])

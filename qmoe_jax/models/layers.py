@@ -38,7 +38,8 @@ class DenseKernel(nn.Module):
 
     The parameter may instead be a ``PackedMatrix`` of ``kernelᵀ [out, in]`` in bfloat16 or int8
     (``inference.dense_forms``, ``--dense_dtype``): the product then runs on the packed form in
-    float32 (``kernels.dense.matmul``) and is cast to the compute dtype.
+    float32 (``kernels.dense.matmul``) and is cast to the compute dtype. A float32 product of a
+    few tokens (a decoding step's) runs through the CPU kernel ``kernels.dense.kernel_matmul``.
     """
 
     features: int
@@ -56,7 +57,7 @@ class DenseKernel(nn.Module):
         kernel = self.param(
             "kernel", self.init, (x.shape[-1], self.features), self.config.jnp_param_dtype
         )
-        return jnp.dot(x.astype(dtype), kernel.astype(dtype))
+        return dense.kernel_matmul(x.astype(dtype), kernel.astype(dtype))
 
 
 class RmsNorm(nn.Module):

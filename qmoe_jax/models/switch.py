@@ -71,7 +71,7 @@ class Embedding(nn.Module):
         """``x [.., d] @ embeddingᵀ`` in float32 → ``[.., V]``."""
         if self.packed is not None:
             return dense.matmul(x, self.packed)
-        return jnp.dot(x.astype(jnp.float32), self.embedding.astype(jnp.float32).T)
+        return dense.rows_matmul(x.astype(jnp.float32), self.embedding.astype(jnp.float32))
 
 
 def _mlp(config: SwitchConfig, sparse: bool, experts_cls: Any) -> nn.Module:

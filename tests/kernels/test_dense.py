@@ -1,5 +1,5 @@
 """The CPU product with bfloat16 and int8 dense weights (xla_ffi/cpu_dense.h) against its jnp
-twin, and the compiled program it makes."""
+twin, and the compiled program it makes (float32 weights: test_dense_float32.py)."""
 
 import re
 
@@ -113,8 +113,8 @@ def test_kernel_names_bad_operands():
         call(x, jnp.ones((4, 8), jnp.int8), jnp.ones((3,), jnp.float32)).block_until_ready()
     with pytest.raises(Exception, match=r"scales must be \[0\]"):
         call(x, jnp.ones((4, 8), jnp.bfloat16), jnp.ones((4,), jnp.float32)).block_until_ready()
-    with pytest.raises(Exception, match="int8 or bfloat16"):
-        call(x, jnp.ones((4, 8), jnp.float32), jnp.ones((0,), jnp.float32)).block_until_ready()
+    with pytest.raises(Exception, match="float32, bfloat16 or int8"):
+        call(x, jnp.ones((4, 8), jnp.int16), jnp.ones((0,), jnp.float32)).block_until_ready()
     with pytest.raises(Exception, match=r"x must be \[N, 6\]"):
         call(x, jnp.ones((4, 6), jnp.int8), jnp.ones((4,), jnp.float32)).block_until_ready()
 

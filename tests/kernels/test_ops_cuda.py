@@ -47,12 +47,13 @@ needs_gpu = pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reas
 
 def test_cuda_targets_registered_iff_built_with_cuda():
     registrations = qmoe_jax_ext.registrations()
-    # GPTQ's block kernel, the Cholesky's base kernel, the packed dense product and the routed
+    # GPTQ's block kernel, the Cholesky's base kernel, the dense products and the routed
     # products are CPU-only
     cpu_only = {
         "qmoe_gptq_block",
         "qmoe_cholesky_base",
         "qmoe_dense_matmul",
+        "qmoe_dense_matmul_t",
         "qmoe_matmul_routed",
         "qmoe_matmul_routed_t",
     }

@@ -1,0 +1,57 @@
+"""A float32 model's decoding step runs its dense products through the CPU kernels
+(``kernels.dense.kernel_matmul`` and ``rows_matmul``), and computes what XLA's dot does."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers.tiny_model import TINY, init, run, shift_right
+
+from qmoe_jax.kernels import bindings, dense
+from qmoe_jax.models import decode_step, init_cache
+
+GATED_UNTIED = dataclasses.replace(TINY, mlp_activations=("gelu", "linear"), logits_dense=True)
+
+
+@pytest.mark.parametrize("config", [TINY, GATED_UNTIED], ids=["tied", "gated-untied"])
+def test_decoding_step_runs_the_float32_kernels(config):
+    model, params, encoder_tokens, targets = init(config, batch=3)
+    encoded = run(model, params, encoder_tokens, method="encode")
+    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
+    step_tokens = shift_right(targets)[:, :1]
+    hlo = (
+        decode_step.lower(model, params, cache, encoded, encoder_tokens, step_tokens)
+        .compile()
+        .as_text()
+    )
+    # Every dense kernel [in, out] of the step, and the tied logits on the embedding's rows.
+    assert bindings.DENSE_MATMUL_TRANSPOSED in hlo
+    assert (bindings.DENSE_MATMUL + '"' in hlo) != config.logits_dense
+    # Decoding token by token (3 tokens per step: the kernels) gives the logits of teacher
+    # forcing (18 tokens per product: XLA's dot).
+    decoder_inputs = shift_right(targets)
+    full = run(model, params, encoder_tokens, decoder_inputs, targets)
+    steps = []
+    for t in range(decoder_inputs.shape[1]):
+        logits, cache = decode_step(
+            model, params, cache, encoded, encoder_tokens, decoder_inputs[:, t : t + 1]
+        )
+        steps.append(logits)
+    np.testing.assert_allclose(
+        np.asarray(jnp.concatenate(steps, axis=1)), np.asarray(full), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_more_tokens_than_the_kernels_take_use_xla_dot():
+    model, params, encoder_tokens, targets = init(TINY, batch=dense.FLOAT32_KERNEL_TOKENS + 1)
+    encoded = run(model, params, encoder_tokens, method="encode")
+    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
+    hlo = (
+        decode_step.lower(
+            model, params, cache, encoded, encoder_tokens, shift_right(targets)[:, :1]
+        )
+        .compile()
+        .as_text()
+    )
+    assert "qmoe_dense" not in hlo
