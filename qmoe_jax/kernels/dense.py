@@ -34,10 +34,11 @@ from qmoe_jax.quant.int8 import dequantize_int8, quantize_int8
 
 FORMS = ("bfloat16", "int8")
 # Tokens up to which a float32 product runs through the CPU kernels (``kernel_matmul``,
-# ``rows_matmul``) instead of XLA's dot: a decoding step's batch. The kernels read the weights
-# once per 8 tokens (``qmoe_dense_matmul_t``) or per 3 (``qmoe_dense_matmul``), where XLA's dot
-# with many tokens is a matrix product that reads them once (docs/dense_forms.md).
-FLOAT32_KERNEL_TOKENS = 8
+# ``rows_matmul``) instead of XLA's dot: a decoding step's batch, or a short prompt. The kernels
+# read the weights once per 8 tokens (``qmoe_dense_matmul_t``) or per 3 (``qmoe_dense_matmul``);
+# XLA's dot with many tokens is a matrix product that reads them once, and overtakes them between
+# 32 and 64 tokens on a switch-base decoding step's matrices (docs/dense_forms.md).
+FLOAT32_KERNEL_TOKENS = 32
 
 
 @jax.tree_util.register_pytree_node_class
