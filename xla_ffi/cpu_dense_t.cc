@@ -1,14 +1,16 @@
 // CPU handler of "qmoe_dense_matmul_t" (contract in cpu_dense.h): y = x · K for
 // few tokens and a float32 T5X kernel K [in, out], read in its own layout.
 //
-// A task takes a range of K's rows (the input channels) and a range of its
-// columns (the output channels). It cuts its rows into 4 runs of equal length
-// and steps through them together, so that it reads 4 long streams of memory
-// at once, and adds x[n, i] times each of the 4 rows into sums of its output
-// channels, up to 8 tokens at a time, held in blocks that stay in the L1.
-// Tasks over the same columns and different rows keep their own sums, which
-// are added up at the end; wide kernels (the logits) are split over columns
-// first, so that they need none.
+// A task takes a range of K's rows (the input channels), and of its columns
+// (the output channels) only when there are too few rows for the tasks. It
+// cuts its rows into 4 runs of equal length and steps through them together,
+// so that it reads 4 long streams of memory at once, and adds x[n, i] times
+// each of the 4 rows into sums of its output channels, up to 8 tokens at a
+// time. One token's sums stay whole in the L2 (even the 32128 of an untied
+// logits kernel), so each row is read from end to end: tasks that read a few
+// KB of each row and then skipped to the next read more slowly
+// (docs/dense_forms.md). Tasks over different rows keep their own sums, which
+// are added up at the end.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -123,7 +125,8 @@ void AddRows(const Problem& p, const int64_t* rows, int n_rows, int64_t t0, int6
 }
 
 // sums[t * stride + c - c0] = sum over rows [r0, r1) of x[t0 + t, i] * k[i, c] for the T tokens
-// from t0, in blocks of columns that stay in the L1.
+// from t0, in blocks of at most kBlockFloats sums (one block for one token of a decoding step's
+// matrices).
 template <int T, bool kAvx2>
 void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t c0, int64_t c1,
                 float* sums, int64_t stride) {
