@@ -39,6 +39,11 @@ FORMS = ("bfloat16", "int8")
 # XLA's dot with many tokens is a matrix product that reads them once, and overtakes them between
 # 32 and 64 tokens on a switch-base decoding step's matrices (docs/dense_forms.md).
 FLOAT32_KERNEL_TOKENS = 32
+# Weights a float32 matrix needs at least for the kernels: those of switch-base's smallest
+# matrices (2.25 MiB). A call costs about 10 µs more than XLA's dot, so a small model's
+# matrices, which stay in the caches, keep XLA's dot (the bundled model's are 128 wide); from
+# memory even a 512x512 matrix takes the kernel about half the dot's time (docs/dense_forms.md).
+FLOAT32_KERNEL_MIN_WEIGHTS = 768 * 768
 
 
 @jax.tree_util.register_pytree_node_class
@@ -218,24 +223,27 @@ def _rows_product_bwd(saved, g):
 _rows_product.defvjp(_rows_product_fwd, _rows_product_bwd)
 
 
-def _few_tokens(x: jax.Array, weights: jax.Array, width: int) -> bool:
+def _takes_kernel(x: jax.Array, weights: jax.Array, width: int) -> bool:
     """The float32 kernels take ``x @ weights``: float32, at most FLOAT32_KERNEL_TOKENS tokens
-    (and at least one), the widths matching (jnp.dot reports a mismatch)."""
+    (and at least one), at least FLOAT32_KERNEL_MIN_WEIGHTS weights, the widths matching
+    (jnp.dot reports a mismatch)."""
     return (
         x.ndim >= 1
         and weights.ndim == 2
         and x.dtype == jnp.float32
         and weights.dtype == jnp.float32
         and x.shape[-1] == width
+        and weights.size >= FLOAT32_KERNEL_MIN_WEIGHTS
         and 1 <= math.prod(x.shape[:-1]) <= FLOAT32_KERNEL_TOKENS
     )
 
 
 def kernel_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """``jnp.dot(x, kernel)`` for a T5X kernel [in, out] and x [..., in]. With float32 operands
-    and at most ``FLOAT32_KERNEL_TOKENS`` tokens, the CPU runs ``qmoe_dense_matmul_t`` (XLA's dot
-    elsewhere; the gradients are XLA's products); otherwise it is ``jnp.dot``."""
-    if not _few_tokens(x, kernel, kernel.shape[0] if kernel.ndim == 2 else -1):
+    """``jnp.dot(x, kernel)`` for a T5X kernel [in, out] and x [..., in]. With float32 operands,
+    at most ``FLOAT32_KERNEL_TOKENS`` tokens and at least ``FLOAT32_KERNEL_MIN_WEIGHTS`` weights,
+    the CPU runs ``qmoe_dense_matmul_t`` (XLA's dot elsewhere; the gradients are XLA's
+    products); otherwise it is ``jnp.dot``."""
+    if not _takes_kernel(x, kernel, kernel.shape[0] if kernel.ndim == 2 else -1):
         return jnp.dot(x, kernel)
     lead = x.shape[:-1]
     y = _kernel_product(x.reshape(math.prod(lead), x.shape[-1]), kernel)
@@ -244,10 +252,11 @@ def kernel_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 def rows_matmul(x: jax.Array, matrix: jax.Array) -> jax.Array:
     """``jnp.dot(x, matrix.T)`` for a matrix [rows, cols] (y = W·x orientation, such as the token
-    embedding for tied logits) and x [..., cols]. With float32 operands and at most
-    ``FLOAT32_KERNEL_TOKENS`` tokens, the CPU runs ``qmoe_dense_matmul`` (XLA's dot elsewhere;
-    the gradients are XLA's products); otherwise it is ``jnp.dot``."""
-    if not _few_tokens(x, matrix, matrix.shape[-1] if matrix.ndim == 2 else -1):
+    embedding for tied logits) and x [..., cols]. With float32 operands, at most
+    ``FLOAT32_KERNEL_TOKENS`` tokens and at least ``FLOAT32_KERNEL_MIN_WEIGHTS`` weights, the
+    CPU runs ``qmoe_dense_matmul`` (XLA's dot elsewhere; the gradients are XLA's products);
+    otherwise it is ``jnp.dot``."""
+    if not _takes_kernel(x, matrix, matrix.shape[-1] if matrix.ndim == 2 else -1):
         return jnp.dot(x, matrix.T)
     lead = x.shape[:-1]
     y = _rows_product(x.reshape(math.prod(lead), x.shape[-1]), matrix)

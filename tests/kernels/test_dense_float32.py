@@ -1,6 +1,6 @@
-"""Float32 products of few tokens through the CPU kernels (``kernels.dense.kernel_matmul`` on a
-T5X kernel [in, out], ``kernels.dense.rows_matmul`` on a matrix [rows, cols]) against float64
-sums, their gradients and vmap, and where XLA's dot takes over."""
+"""Float32 products of few tokens through the CPU kernels (``qmoe_dense_matmul_t`` on a T5X kernel
+[in, out], ``qmoe_dense_matmul`` on a matrix [rows, cols]) against float64 sums; when
+``kernels.dense.kernel_matmul`` and ``rows_matmul`` take them, and their gradients and vmap."""
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +45,18 @@ def _assert_close(y, x, kernel):
         (70, 17, 7),
     ],
 )
-def test_kernel_matmul_matches_float64(isa, n_in, n_out, tokens, monkeypatch):
+def test_float32_kernels_match_float64(isa, n_in, n_out, tokens, monkeypatch):
     monkeypatch.setenv("QMOE_CPU_ISA", isa)
     kernel, x = _problem(n_in, n_out, tokens)
-    y = jax.jit(dense.kernel_matmul)(x, kernel)
+    y = jax.jit(bindings.dense_matmul_t_call)(x, kernel)
     assert y.shape == (tokens, n_out) and y.dtype == jnp.float32
     _assert_close(y, x, kernel)
     # The tied-logits form reads the same weights as rows.
-    y = jax.jit(dense.rows_matmul)(x, np.ascontiguousarray(kernel.T))
-    assert y.shape == (tokens, n_out)
-    _assert_close(y, x, kernel)
+    rows = jax.jit(bindings.dense_matmul_call)(
+        x, np.ascontiguousarray(kernel.T), np.zeros((0,), np.float32)
+    )
+    assert rows.shape == (tokens, n_out)
+    _assert_close(rows, x, kernel)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -74,35 +76,46 @@ def _program(function, *args) -> str:
     return jax.jit(function).lower(*args).compile().as_text()
 
 
-def test_few_float32_tokens_take_the_kernels_and_others_take_the_dot():
-    kernel, x = _problem(64, 48, dense.FLOAT32_KERNEL_TOKENS + 1)
+def test_few_tokens_of_large_float32_matrices_take_the_kernels():
+    # The smallest matrix the kernels take: switch-base's 768 x 768.
+    n_in = 768
+    n_out = dense.FLOAT32_KERNEL_MIN_WEIGHTS // n_in
+    kernel, x = _problem(n_in, n_out, dense.FLOAT32_KERNEL_TOKENS + 1)
     few = x[: dense.FLOAT32_KERNEL_TOKENS]
-    hlo = _program(dense.kernel_matmul, few.reshape(2, -1, 64), kernel)
+    hlo = _program(dense.kernel_matmul, few.reshape(2, -1, n_in), kernel)
     assert bindings.DENSE_MATMUL_TRANSPOSED in hlo and " dot(" not in hlo
     hlo = _program(dense.rows_matmul, few, np.ascontiguousarray(kernel.T))
     assert bindings.DENSE_MATMUL in hlo and " dot(" not in hlo
     for args in [
         (x, kernel),  # too many tokens: XLA's matrix product reads the weights once
+        (few, kernel[:, :-8]),  # too small: it stays in the caches, and XLA's dot costs less
         (few.astype(jnp.bfloat16), kernel.astype(jnp.bfloat16)),  # a bfloat16 model's product
         (few, kernel.astype(jnp.bfloat16)),
     ]:
         hlo = _program(dense.kernel_matmul, *args)
-        assert "qmoe_dense" not in hlo and " dot(" in hlo, args[0].shape
-    np.testing.assert_allclose(
-        np.asarray(dense.kernel_matmul(x.reshape(3, -1, 64), kernel)).reshape(len(x), 48),
-        x @ kernel,
-        rtol=1e-5,
-        atol=1e-5,
-    )
+        assert "qmoe_dense" not in hlo and " dot(" in hlo, (args[0].shape, args[1].shape)
+    hlo = _program(dense.rows_matmul, few, np.ascontiguousarray(kernel[:, :-8].T))
+    assert "qmoe_dense" not in hlo and " dot(" in hlo
+    for tokens in (few[:1], few.reshape(2, -1, n_in), x.reshape(3, -1, n_in)):
+        np.testing.assert_allclose(
+            np.asarray(dense.kernel_matmul(tokens, kernel)),
+            np.asarray(tokens) @ kernel,
+            rtol=1e-4,
+            atol=1e-4,
+        )
     # A mismatch is jnp.dot's to report.
     with pytest.raises(TypeError, match="dot"):
         dense.kernel_matmul(few[:, :10], kernel)
 
 
-def test_kernel_products_differentiate_and_vmap_as_the_dot():
+def test_kernel_products_differentiate_and_vmap_as_the_dot(monkeypatch):
+    monkeypatch.setattr(dense, "FLOAT32_KERNEL_MIN_WEIGHTS", 0)  # small matrices take the kernels
     kernel, x = _problem(40, 24, 3, seed=1)
     rows = np.ascontiguousarray(kernel.T)
     weights = np.random.default_rng(2).standard_normal((3, 24)).astype(np.float32)
+    # The forward product is the kernel's (the gradients are XLA's products, below).
+    hlo = _program(jax.value_and_grad(lambda x: jnp.sum(dense.kernel_matmul(x, kernel))), x)
+    assert bindings.DENSE_MATMUL_TRANSPOSED in hlo
 
     def loss(product):
         return lambda x, w: jnp.sum(product(x, w) * weights)

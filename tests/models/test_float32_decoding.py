@@ -3,6 +3,7 @@
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,19 @@ from qmoe_jax.models import decode_step, init_cache
 GATED_UNTIED = dataclasses.replace(TINY, mlp_activations=("gelu", "linear"), logits_dense=True)
 
 
+@pytest.fixture
+def small_matrices_take_the_kernels(monkeypatch):
+    """The tiny model's matrices take the float32 kernels (they are far below
+    FLOAT32_KERNEL_MIN_WEIGHTS); the caches go, so that no program traced without the kernels is
+    reused."""
+    monkeypatch.setattr(dense, "FLOAT32_KERNEL_MIN_WEIGHTS", 0)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("config", [TINY, GATED_UNTIED], ids=["tied", "gated-untied"])
+@pytest.mark.usefixtures("small_matrices_take_the_kernels")
 def test_decoding_step_runs_the_float32_kernels(config):
     # Teacher forcing runs 3 x 11 = 33 tokens per product: more than the kernels take.
     length = dense.FLOAT32_KERNEL_TOKENS // 3 + 1
@@ -45,8 +58,24 @@ def test_decoding_step_runs_the_float32_kernels(config):
     )
 
 
+@pytest.mark.usefixtures("small_matrices_take_the_kernels")
 def test_more_tokens_than_the_kernels_take_use_xla_dot():
     model, params, encoder_tokens, targets = init(TINY, batch=dense.FLOAT32_KERNEL_TOKENS + 1)
+    encoded = run(model, params, encoder_tokens, method="encode")
+    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
+    hlo = (
+        decode_step.lower(
+            model, params, cache, encoded, encoder_tokens, shift_right(targets)[:, :1]
+        )
+        .compile()
+        .as_text()
+    )
+    assert "qmoe_dense" not in hlo
+
+
+def test_a_small_models_matrices_keep_xla_dot():
+    jax.clear_caches()
+    model, params, encoder_tokens, targets = init(TINY, batch=1)
     encoded = run(model, params, encoder_tokens, method="encode")
     cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
     hlo = (
