@@ -10,10 +10,11 @@ multiplied by the same --tokens tokens, summed, in one jitted program per form:
   int8 convert+dot        (x @ W.astype(float32)) * scales, W int8
   int8 multiply-reduce    sum(W.astype(float32) * x, axis=-1) * scales, W int8 [rows, cols]
   bf16 native dot         XLA's bfloat16 dot, float32 result
-  f32 kernel [in, out]    kernels.dense.kernel_matmul on the float32 baseline's W (up to 8
-                          tokens: the FFI kernel qmoe_dense_matmul_t)
-  f32 kernel [rows, cols] kernels.dense.rows_matmul on W float32 [rows, cols] (up to 8 tokens:
-                          the FFI kernel qmoe_dense_matmul)
+  f32 kernel [in, out]    kernels.dense.kernel_matmul on the float32 baseline's W (the FFI
+                          kernel qmoe_dense_matmul_t up to 32 tokens and from 768x768
+                          weights; XLA's dot otherwise)
+  f32 kernel [rows, cols] kernels.dense.rows_matmul on W float32 [rows, cols] (the FFI kernel
+                          qmoe_dense_matmul, within the same bounds)
   bf16 kernel             kernels.dense.matmul on bfloat16 weights (the FFI kernel)
   int8 kernel             kernels.dense.matmul on int8 weights with row scales
 

@@ -15,11 +15,12 @@ and come out slower than the float32 dot (docs/dense_forms.md). On other
 platforms the jnp twin ``matmul_reference`` runs, which XLA fuses there.
 
 Float32 weights left unpacked (``--dense_dtype float32``, as T5X stores them) take the same road
-for a few tokens, as a decoding step has: ``kernel_matmul`` (a T5X kernel [in, out], through
-``qmoe_dense_matmul_t``) and ``rows_matmul`` (a matrix [rows, cols] such as the embedding for
-tied logits, through ``qmoe_dense_matmul``) read the weights as a few long streams, faster than
-XLA's dot does one token at a time (docs/dense_forms.md). With more tokens, and on other
-platforms, they are XLA's dot. Both are differentiable: their gradients are XLA's products.
+for a few tokens, as a decoding step has, in matrices of switch-base's size and up:
+``kernel_matmul`` (a T5X kernel [in, out], through ``qmoe_dense_matmul_t``) and ``rows_matmul``
+(a matrix [rows, cols] such as the embedding for tied logits, through ``qmoe_dense_matmul``) read
+the weights as a few long streams, faster than XLA's dot does one token at a time
+(docs/dense_forms.md). With more tokens, smaller matrices, and on other platforms, they are
+XLA's dot. Both are differentiable: their gradients are XLA's products.
 """
 
 from __future__ import annotations
