@@ -14,8 +14,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cpu_dense.h"
@@ -148,37 +150,19 @@ void TokenGroup(const Problem& p, int64_t r0, int64_t r1, int64_t t0, int64_t c0
   }
 }
 
+// TokenGroup<T> for T = 1 .. kTokens, indexed by T - 1.
+template <bool kAvx2, size_t... T>
+constexpr auto TokenGroups(std::index_sequence<T...>) {
+  return std::array{&TokenGroup<static_cast<int>(T) + 1, kAvx2>...};
+}
+
 template <bool kAvx2>
 void Task(const Problem& p, int64_t r0, int64_t r1, int64_t c0, int64_t c1, float* sums) {
+  static constexpr auto kGroups = TokenGroups<kAvx2>(std::make_index_sequence<kTokens>());
   // sums is [tokens, out] with the task's columns from c0.
   for (int64_t t0 = 0; t0 < p.tokens; t0 += kTokens) {
-    float* at = sums + t0 * p.out + c0;
-    switch (std::min(kTokens, p.tokens - t0)) {
-      case 1:
-        TokenGroup<1, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      case 2:
-        TokenGroup<2, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      case 3:
-        TokenGroup<3, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      case 4:
-        TokenGroup<4, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      case 5:
-        TokenGroup<5, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      case 6:
-        TokenGroup<6, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      case 7:
-        TokenGroup<7, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-      default:
-        TokenGroup<8, kAvx2>(p, r0, r1, t0, c0, c1, at, p.out);
-        break;
-    }
+    const int64_t group = std::min(kTokens, p.tokens - t0);
+    kGroups[group - 1](p, r0, r1, t0, c0, c1, sums + t0 * p.out + c0, p.out);
   }
 }
 

@@ -26,20 +26,29 @@ def small_matrices_take_the_kernels(monkeypatch):
     jax.clear_caches()
 
 
+def _opened(config, batch, length=6):
+    """A tiny model, its inputs, the encoder's outputs and an empty cache of ``length``."""
+    model, params, encoder_tokens, targets = init(config, batch=batch, dec_len=length)
+    encoded = run(model, params, encoder_tokens, method="encode")
+    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=length)
+    return model, params, encoder_tokens, targets, encoded, cache
+
+
+def _step_program(model, params, encoder_tokens, targets, encoded, cache) -> str:
+    """The compiled HLO of one decoding step on the first decoder inputs."""
+    step_tokens = shift_right(targets)[:, :1]
+    lowered = decode_step.lower(model, params, cache, encoded, encoder_tokens, step_tokens)
+    return lowered.compile().as_text()
+
+
 @pytest.mark.parametrize("config", [TINY, GATED_UNTIED], ids=["tied", "gated-untied"])
 @pytest.mark.usefixtures("small_matrices_take_the_kernels")
 def test_decoding_step_runs_the_float32_kernels(config):
     # Teacher forcing runs 3 x 11 = 33 tokens per product: more than the kernels take.
     length = dense.FLOAT32_KERNEL_TOKENS // 3 + 1
-    model, params, encoder_tokens, targets = init(config, batch=3, dec_len=length)
-    encoded = run(model, params, encoder_tokens, method="encode")
-    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=length)
-    step_tokens = shift_right(targets)[:, :1]
-    hlo = (
-        decode_step.lower(model, params, cache, encoded, encoder_tokens, step_tokens)
-        .compile()
-        .as_text()
-    )
+    opened = _opened(config, batch=3, length=length)
+    model, params, encoder_tokens, targets, encoded, cache = opened
+    hlo = _step_program(*opened)
     # Every dense kernel [in, out] of the step, and the tied logits on the embedding's rows.
     assert bindings.DENSE_MATMUL_TRANSPOSED in hlo
     assert (bindings.DENSE_MATMUL + '"' in hlo) != config.logits_dense
@@ -60,29 +69,10 @@ def test_decoding_step_runs_the_float32_kernels(config):
 
 @pytest.mark.usefixtures("small_matrices_take_the_kernels")
 def test_more_tokens_than_the_kernels_take_use_xla_dot():
-    model, params, encoder_tokens, targets = init(TINY, batch=dense.FLOAT32_KERNEL_TOKENS + 1)
-    encoded = run(model, params, encoder_tokens, method="encode")
-    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
-    hlo = (
-        decode_step.lower(
-            model, params, cache, encoded, encoder_tokens, shift_right(targets)[:, :1]
-        )
-        .compile()
-        .as_text()
-    )
+    hlo = _step_program(*_opened(TINY, batch=dense.FLOAT32_KERNEL_TOKENS + 1))
     assert "qmoe_dense" not in hlo
 
 
 def test_a_small_models_matrices_keep_xla_dot():
     jax.clear_caches()
-    model, params, encoder_tokens, targets = init(TINY, batch=1)
-    encoded = run(model, params, encoder_tokens, method="encode")
-    cache = init_cache(model, params, encoded, encoder_tokens, max_decode_length=6)
-    hlo = (
-        decode_step.lower(
-            model, params, cache, encoded, encoder_tokens, shift_right(targets)[:, :1]
-        )
-        .compile()
-        .as_text()
-    )
-    assert "qmoe_dense" not in hlo
+    assert "qmoe_dense" not in _step_program(*_opened(TINY, batch=1))
