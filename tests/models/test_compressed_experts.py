@@ -167,7 +167,11 @@ def test_routed_path_matches_dispatch_with_drops(layer_params, dictionary):
         return jnp.sum(jnp.sin(apply_with(T5X_GROUPS, params, x, dictionary, **fields)[0]))
 
     expected = jax.grad(loss)(x, per_token_limit=0, routed=False)
-    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-5, atol=1e-6)
+    # The two paths sum in different orders: float32 rounding is relative to the largest terms (the
+    # gradient reaches about 12 here), not to each element (an element of 0.01 differed by 1.2e-6
+    # with XLA:CPU's AVX-512 code on an Intel).
+    scale = float(np.abs(expected).max())
+    np.testing.assert_allclose(jax.grad(loss)(x), expected, rtol=1e-5, atol=1e-6 * scale)
 
 
 def test_routed_program_has_no_dispatch_buffer(layer_params, dictionary):
