@@ -35,7 +35,12 @@ it (2·tokens·cols^2 FLOPs, one matmul, `quant.hessian`) is timed and reported 
 own line, never inside the solver's seconds: in the compression CLI it is part of the
 calibration pass ("hessian" in the report's seconds), not of "gptq".
 
-    python benchmarks/gptq_rate.py [--tokens 1024,8192] [--repeats 3]
+--isas adds "unrolled <isa>" for each other instruction set the CPU kernels have here (AVX-512
+on a CPU that has it, since AVX2 comes first), forced with QMOE_CPU_ISA around each of its calls
+and taking turns with the other variants: its codes should equal unrolled's (every build rounds
+the same way), and its seconds say which build is the faster here.
+
+    python benchmarks/gptq_rate.py [--tokens 1024,8192] [--repeats 3] [--isas]
 """
 
 from __future__ import annotations
@@ -81,6 +86,35 @@ VARIANTS = {
     "jnp_block": GPTQConfig(native_block=False),
     "jnp_cholesky": GPTQConfig(native_cholesky=False),
 }
+# Variants that force an instruction set (QMOE_CPU_ISA around each call): --isas adds "unrolled
+# <isa>" for each one the CPU kernels have here besides the first (which "unrolled" runs).
+VARIANT_ISAS: dict[str, str] = {}
+
+
+def add_isa_variants() -> None:
+    from qmoe_jax.kernels import ops
+
+    for isa in ops.cpu_isas()[1:]:
+        if isa != "portable":
+            VARIANTS[f"unrolled {isa}"] = GPTQConfig()
+            VARIANT_ISAS[f"unrolled {isa}"] = isa
+
+
+def solve(variant: str, weights, hessians, count, grid: GridConfig):
+    """One quantize_expert_group call of the variant, waited for (QMOE_CPU_ISA is read by the
+    kernels at each call, so a compiled program runs the forced set)."""
+    saved = os.environ.get("QMOE_CPU_ISA")
+    if variant in VARIANT_ISAS:
+        os.environ["QMOE_CPU_ISA"] = VARIANT_ISAS[variant]
+    try:
+        return jax.block_until_ready(
+            quantize_expert_group(weights, hessians, count, grid, VARIANTS[variant])
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("QMOE_CPU_ISA", None)
+        else:
+            os.environ["QMOE_CPU_ISA"] = saved
 
 
 def parse_args():
@@ -92,6 +126,12 @@ def parse_args():
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--isas",
+        action="store_true",
+        help="also run the unrolled variant with each other instruction set the CPU kernels have "
+        "here (AVX-512 where AVX2 comes first), taking turns with the others",
+    )
     parser.add_argument("--out", default=result_path("gptq_rate"), help="the JSON result")
     args = parser.parse_args()
     args.tokens = [int(count) for count in args.tokens.split(",")]
@@ -197,21 +237,19 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
     ):
         out_rows, cols = weights.shape[1:]
         results, compile_s, runs = {}, {}, {name: [] for name in VARIANTS}
-        for variant, config in VARIANTS.items():
+        for variant in VARIANTS:
             first, _, results[variant] = timed(
-                lambda weights=weights, hessians=hessians, config=config: jax.block_until_ready(
-                    quantize_expert_group(weights, hessians, count, grid, config)
+                lambda weights=weights, hessians=hessians, variant=variant: solve(
+                    variant, weights, hessians, count, grid
                 )
             )
             compile_s[variant] = first
         for _ in range(args.repeats):
-            for variant, config in VARIANTS.items():
+            for variant in VARIANTS:
                 runs[variant].append(
                     timed(
-                        lambda weights=weights, hessians=hessians, config=config: (
-                            jax.block_until_ready(
-                                quantize_expert_group(weights, hessians, count, grid, config)
-                            )
+                        lambda weights=weights, hessians=hessians, variant=variant: solve(
+                            variant, weights, hessians, count, grid
                         )
                     )[:2]
                 )
@@ -312,6 +350,8 @@ def expert_totals(rows: list[dict], rate: float, rate_per_cpu: float) -> list[di
 
 def main():
     args = parse_args()
+    if args.isas:
+        add_isa_variants()
     grid = GridConfig()
     load_before = os.getloadavg()
     huge_pages = malloc.huge_pages_status()
@@ -334,13 +374,13 @@ def main():
         f"when other work shares the cores)"
     )
     print(
-        f"{'tokens':>6} {'matrix':>15} {'variant':>12} {'s':>7} {'useful GF/s':>11} {'of mm':>14} "
+        f"{'tokens':>6} {'matrix':>15} {'variant':>15} {'s':>7} {'useful GF/s':>11} {'of mm':>14} "
         f"{'exec GF/s':>9} {'of mm':>14} {'Cholesky s':>10} {'sweep s':>8} {'compile s':>9} "
         f"{'codes':>14}"
     )
     for row in rows + totals:
         print(
-            f"{row['tokens']:>6} {row['matrix']:>15} {row['variant']:>12} {row['seconds']:>7.3f} "
+            f"{row['tokens']:>6} {row['matrix']:>15} {row['variant']:>15} {row['seconds']:>7.3f} "
             f"{row['gflops_per_s_useful']:>11.1f} {row['fraction_of_matmul_useful']:>6.1%} "
             f"({row['fraction_of_matmul_useful_cpu']:>5.1%}) {row['gflops_per_s_executed']:>9.1f} "
             f"{row['fraction_of_matmul_executed']:>6.1%} "
@@ -395,6 +435,7 @@ def main():
         expert_totals=totals,
         goal=GOAL,
         variants={name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
+        variant_isas=VARIANT_ISAS,
         load_average_before=load_before,
     )
     write_result("gptq_rate", report, args.out)

@@ -79,8 +79,8 @@ def has_cuda_kernels() -> bool:
 
 def cpu_isas() -> list[str]:
     """Instruction sets the CPU kernels can run on this machine, fastest first; the kernels use the
-    first unless QMOE_CPU_ISA names another. On AMD CPUs AVX2 comes before AVX-512 (faster there:
-    docs/cpu_kernels.md §1, figures in docs/measurements.md)."""
+    first unless QMOE_CPU_ISA names another. AVX2 comes before AVX-512 (faster on AMD Zen 4 and on
+    Intel: docs/cpu_kernels.md §1, figures in docs/measurements.md)."""
     return list(qmoe_jax_ext.cpu_isas())
 
 

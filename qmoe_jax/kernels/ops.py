@@ -32,9 +32,9 @@ under ``jax.shard_map`` (``expert_parallel``).
 Every op has a pure-jnp twin with the same signature (``*_reference``) that
 decodes W densely with ``codec.decode_codes_jnp``; tests hold the kernels to
 them. The CPU kernels pick AVX-512, AVX2 or portable code at run time, the
-first of ``cpu_isas()`` (on AMD CPUs AVX2 before AVX-512, the faster of the
-two there: docs/cpu_kernels.md §1); the environment variable QMOE_CPU_ISA
-forces one.
+first of ``cpu_isas()`` (AVX2 before AVX-512, the faster of the two on every
+AVX-512 CPU measured: docs/cpu_kernels.md §1); the environment variable
+QMOE_CPU_ISA forces one.
 """
 
 from __future__ import annotations
