@@ -25,6 +25,7 @@ XLA's dot. Both are differentiable: their gradients are XLA's products.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,16 +36,33 @@ from qmoe_jax.quant.int8 import dequantize_int8, quantize_int8
 
 FORMS = ("bfloat16", "int8")
 # Tokens up to which a float32 product runs through the CPU kernels (``kernel_matmul``,
-# ``rows_matmul``) instead of XLA's dot: a decoding step's batch, or a short prompt. The kernels
-# read the weights once per 8 tokens (``qmoe_dense_matmul_t``) or per 3 (``qmoe_dense_matmul``);
-# XLA's dot with many tokens is a matrix product that reads them once, and overtakes them between
-# 32 and 64 tokens on a switch-base decoding step's matrices (docs/dense_forms.md).
+# ``rows_matmul``) instead of XLA's dot: a decoding step's batch, or a short prompt
+# (``float32_kernel_tokens``). The kernels read the weights once per 8 tokens
+# (``qmoe_dense_matmul_t``) or per 3 (``qmoe_dense_matmul``), with AVX2's fused multiply-adds; XLA's
+# dot with many tokens is a matrix product that reads them once, with the widest the CPU has. On a
+# switch-base decoding step's matrices it overtakes the kernels between 32 and 64 tokens on a CPU
+# without AVX-512 (Zen 2), and between 8 and 16 on one with it (an Intel Xeon, family 6 model 207),
+# where it computes with 512-bit vectors (docs/dense_forms.md).
 FLOAT32_KERNEL_TOKENS = 32
+FLOAT32_KERNEL_TOKENS_AVX512 = 8
 # Weights a float32 matrix needs at least for the kernels: those of switch-base's smallest
 # matrices (2.25 MiB). A call costs about 10 µs more than XLA's dot, so a small model's
 # matrices, which stay in the caches, keep XLA's dot (the bundled model's are 128 wide); from
 # memory even a 512x512 matrix takes the kernel about half the dot's time (docs/dense_forms.md).
 FLOAT32_KERNEL_MIN_WEIGHTS = 768 * 768
+
+
+@functools.cache
+def float32_kernel_tokens() -> int:
+    """Tokens up to which the float32 kernels run: FLOAT32_KERNEL_TOKENS_AVX512 on a CPU with
+    AVX-512, FLOAT32_KERNEL_TOKENS otherwise. Of the AVX-512 CPUs only an Intel was measured; on
+    the others the lower limit is the safe side (the kernels won up to 8 tokens on every CPU
+    measured)."""
+    from qmoe_jax.kernels import bindings  # the extension: it reads the CPU's features
+
+    return (
+        FLOAT32_KERNEL_TOKENS_AVX512 if "avx512" in bindings.cpu_isas() else FLOAT32_KERNEL_TOKENS
+    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -225,8 +243,8 @@ _rows_product.defvjp(_rows_product_fwd, _rows_product_bwd)
 
 
 def _takes_kernel(x: jax.Array, weights: jax.Array, width: int) -> bool:
-    """The float32 kernels take ``x @ weights``: float32, at most FLOAT32_KERNEL_TOKENS tokens
-    (and at least one), at least FLOAT32_KERNEL_MIN_WEIGHTS weights, the widths matching
+    """The float32 kernels take ``x @ weights``: float32, at most ``float32_kernel_tokens()``
+    tokens (and at least one), at least FLOAT32_KERNEL_MIN_WEIGHTS weights, the widths matching
     (jnp.dot reports a mismatch)."""
     return (
         x.ndim >= 1
@@ -235,13 +253,13 @@ def _takes_kernel(x: jax.Array, weights: jax.Array, width: int) -> bool:
         and weights.dtype == jnp.float32
         and x.shape[-1] == width
         and weights.size >= FLOAT32_KERNEL_MIN_WEIGHTS
-        and 1 <= math.prod(x.shape[:-1]) <= FLOAT32_KERNEL_TOKENS
+        and 1 <= math.prod(x.shape[:-1]) <= float32_kernel_tokens()
     )
 
 
 def kernel_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
     """``jnp.dot(x, kernel)`` for a T5X kernel [in, out] and x [..., in]. With float32 operands,
-    at most ``FLOAT32_KERNEL_TOKENS`` tokens and at least ``FLOAT32_KERNEL_MIN_WEIGHTS`` weights,
+    at most ``float32_kernel_tokens()`` tokens and at least ``FLOAT32_KERNEL_MIN_WEIGHTS`` weights,
     the CPU runs ``qmoe_dense_matmul_t`` (XLA's dot elsewhere; the gradients are XLA's
     products); otherwise it is ``jnp.dot``."""
     if not _takes_kernel(x, kernel, kernel.shape[0] if kernel.ndim == 2 else -1):
@@ -254,7 +272,7 @@ def kernel_matmul(x: jax.Array, kernel: jax.Array) -> jax.Array:
 def rows_matmul(x: jax.Array, matrix: jax.Array) -> jax.Array:
     """``jnp.dot(x, matrix.T)`` for a matrix [rows, cols] (y = W·x orientation, such as the token
     embedding for tied logits) and x [..., cols]. With float32 operands, at most
-    ``FLOAT32_KERNEL_TOKENS`` tokens and at least ``FLOAT32_KERNEL_MIN_WEIGHTS`` weights, the
+    ``float32_kernel_tokens()`` tokens and at least ``FLOAT32_KERNEL_MIN_WEIGHTS`` weights, the
     CPU runs ``qmoe_dense_matmul`` (XLA's dot elsewhere; the gradients are XLA's products);
     otherwise it is ``jnp.dot``."""
     if not _takes_kernel(x, matrix, matrix.shape[-1] if matrix.ndim == 2 else -1):

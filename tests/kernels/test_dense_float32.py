@@ -76,12 +76,28 @@ def _program(function, *args) -> str:
     return jax.jit(function).lower(*args).compile().as_text()
 
 
+def test_the_token_limit_is_lower_where_xla_has_avx512(monkeypatch):
+    for isas, limit in [
+        (["avx2", "avx512", "portable"], dense.FLOAT32_KERNEL_TOKENS_AVX512),
+        (["avx2", "portable"], dense.FLOAT32_KERNEL_TOKENS),
+        (["portable"], dense.FLOAT32_KERNEL_TOKENS),
+    ]:
+        monkeypatch.setattr(bindings, "cpu_isas", lambda isas=isas: isas)
+        dense.float32_kernel_tokens.cache_clear()
+        assert dense.float32_kernel_tokens() == limit
+    monkeypatch.undo()
+    dense.float32_kernel_tokens.cache_clear()
+    # Both limits keep the products of one decoded token and of a few sequences.
+    assert 8 <= dense.FLOAT32_KERNEL_TOKENS_AVX512 <= dense.FLOAT32_KERNEL_TOKENS
+
+
 def test_few_tokens_of_large_float32_matrices_take_the_kernels():
     # The smallest matrix the kernels take: switch-base's 768 x 768.
     n_in = 768
     n_out = dense.FLOAT32_KERNEL_MIN_WEIGHTS // n_in
-    kernel, x = _problem(n_in, n_out, dense.FLOAT32_KERNEL_TOKENS + 1)
-    few = x[: dense.FLOAT32_KERNEL_TOKENS]
+    limit = dense.float32_kernel_tokens()
+    kernel, x = _problem(n_in, n_out, limit + 1)
+    few = x[:limit]
     hlo = _program(dense.kernel_matmul, few.reshape(2, -1, n_in), kernel)
     assert bindings.DENSE_MATMUL_TRANSPOSED in hlo and " dot(" not in hlo
     hlo = _program(dense.rows_matmul, few, np.ascontiguousarray(kernel.T))

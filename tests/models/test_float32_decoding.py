@@ -44,8 +44,8 @@ def _step_program(model, params, encoder_tokens, targets, encoded, cache) -> str
 @pytest.mark.parametrize("config", [TINY, GATED_UNTIED], ids=["tied", "gated-untied"])
 @pytest.mark.usefixtures("small_matrices_take_the_kernels")
 def test_decoding_step_runs_the_float32_kernels(config):
-    # Teacher forcing runs 3 x 11 = 33 tokens per product: more than the kernels take.
-    length = dense.FLOAT32_KERNEL_TOKENS // 3 + 1
+    # Teacher forcing runs 3 x length tokens per product: more than the kernels take.
+    length = dense.float32_kernel_tokens() // 3 + 1
     opened = _opened(config, batch=3, length=length)
     model, params, encoder_tokens, targets, encoded, cache = opened
     hlo = _step_program(*opened)
@@ -69,7 +69,7 @@ def test_decoding_step_runs_the_float32_kernels(config):
 
 @pytest.mark.usefixtures("small_matrices_take_the_kernels")
 def test_more_tokens_than_the_kernels_take_use_xla_dot():
-    hlo = _step_program(*_opened(TINY, batch=dense.FLOAT32_KERNEL_TOKENS + 1))
+    hlo = _step_program(*_opened(TINY, batch=dense.float32_kernel_tokens() + 1))
     assert "qmoe_dense" not in hlo
 
 
