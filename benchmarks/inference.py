@@ -50,9 +50,15 @@ zero fraction (P(0) = 0.885, static dictionary) and random dense weights,
 without a dense source model: their outputs are meaningless, their cost is
 real. They are written once into --work_dir and reused.
 
+--isas measures every form once per instruction set the CPU kernels have here (``ops.cpu_isas()``
+but portable) in each round, in the same process, QMOE_CPU_ISA set before each measurement (the
+kernels read it at each call), the sets' order alternating from round to round: rows "<form>
+[<isa>]", so that the sets compare on one loaded model, its memory placed once.
+
     python benchmarks/inference.py                              # all three models
     python benchmarks/inference.py --models base-shaped --rounds 7
     python benchmarks/inference.py --models bundled --quick
+    python benchmarks/inference.py --models base128-shaped --forms "compressed int8" --isas
 """
 
 from __future__ import annotations
@@ -329,12 +335,16 @@ class FormRunner:
 
 
 def serve(path: str, form: str, args) -> None:
-    """The child's loop: load, report, then one JSON line per "round" line on stdin."""
+    """The child's loop: load, report, then one JSON line per "round" or "round <isa>" line on
+    stdin (the latter sets QMOE_CPU_ISA first)."""
     runner = FormRunner(path, form, args)
     print(json.dumps({"ready": runner.info}), flush=True)
     for line in sys.stdin:
-        if line.strip() != "round":
+        words = line.split()
+        if not words or words[0] != "round":
             break
+        if len(words) > 1:
+            os.environ["QMOE_CPU_ISA"] = words[1]
         print(json.dumps(runner.round()), flush=True)
 
 
@@ -374,8 +384,8 @@ class Child:
         error = self.process.stderr.read()[-2000:]
         raise RuntimeError(f"{self.form} failed:\n{error}")
 
-    def round(self) -> dict:
-        self.process.stdin.write("round\n")
+    def round(self, isa: str | None = None) -> dict:
+        self.process.stdin.write("round\n" if isa is None else f"round {isa}\n")
         self.process.stdin.flush()
         return self._reply()
 
@@ -390,22 +400,32 @@ class Child:
         return peak / 2**30
 
 
-def measure_model(model: str, path: str, forms: list[str], args) -> list[dict]:
-    """Every form of one model, interleaved round by round."""
+def label(form: str, isa: str | None) -> str:
+    return form if isa is None else f"{form} [{isa}]"
+
+
+def measure_model(
+    model: str, path: str, forms: list[str], args, isas: list[str] | None = None
+) -> list[dict]:
+    """Every form of one model, interleaved round by round; with ``isas``, each form once per
+    instruction set in every round (in its own process, the sets' order alternating)."""
     children = []
+    sets = isas or [None]
+    labels = [label(form, isa) for form in forms for isa in sets]
     try:
         for form in forms:
             print(f"  {model} / {form}: loading and compiling", flush=True)
             children.append(Child(path, form, args))
-        rounds = {form: [] for form in forms}
+        rounds = {name: [] for name in labels}
         for number in range(args.rounds):
             for child in children:
-                copy = memory_bandwidth(megabytes=args.bandwidth_mb)["copy_gb_s"]
-                rounds[child.form].append(child.round() | {"copy_gb_s": copy})
+                for isa in sets if number % 2 == 0 else sets[::-1]:
+                    copy = memory_bandwidth(megabytes=args.bandwidth_mb)["copy_gb_s"]
+                    rounds[label(child.form, isa)].append(child.round(isa) | {"copy_gb_s": copy})
             line = ", ".join(
                 f"{f} {1e3 * rounds[f][-1]['decode_seconds_per_token']:.2f} "
                 f"({rounds[f][-1]['copy_gb_s']:.0f} GB/s)"
-                for f in forms
+                for f in labels
             )
             print(
                 f"  round {number + 1}/{args.rounds} (load {os.getloadavg()[0]:.1f}): ms/token "
@@ -415,14 +435,14 @@ def measure_model(model: str, path: str, forms: list[str], args) -> list[dict]:
     finally:
         peaks = {child.form: child.close() for child in children}
     rows = []
-    for form in forms:
+    for form, isa in [(form, isa) for form in forms for isa in sets]:
         info = next(child.info for child in children if child.form == form)
-        per_round = rounds[form]
+        per_round = rounds[label(form, isa)]
         decode = statistics.median(r["decode_seconds_per_token"] for r in per_round)
         bounds = [info["total_bytes"] / (r["copy_gb_s"] * 1e9) for r in per_round]
         row = {
             "model": model,
-            "form": form,
+            "form": label(form, isa),
             **info,
             "rounds": per_round,
             "prefill_tokens_per_second": statistics.median(
@@ -437,10 +457,11 @@ def measure_model(model: str, path: str, forms: list[str], args) -> list[dict]:
             "load_average_median": statistics.median(r["load_average"] for r in per_round),
             "peak_rss_gib": peaks.get(form, 0.0),
         }
-        if BASELINE in rounds:
+        baseline = label(BASELINE, isa)
+        if baseline in rounds:
             row["decode_speedup_over_dense_f32"] = statistics.median(
                 b["decode_seconds_per_token"] / r["decode_seconds_per_token"]
-                for b, r in zip(rounds[BASELINE], per_round)
+                for b, r in zip(rounds[baseline], per_round)
             )
         rows.append(row)
     return rows
@@ -505,6 +526,12 @@ def main() -> None:
     parser.add_argument("--work_dir", default=work_dir("inference"))
     parser.add_argument("--output", default=result_path("inference"), help="the JSON result")
     parser.add_argument("--quick", action="store_true", help="bundled model only, fewer rounds")
+    parser.add_argument(
+        "--isas",
+        action="store_true",
+        help="each form once per instruction set of the CPU kernels in every round, in the same "
+        "process (rows '<form> [<isa>]')",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--form", help=argparse.SUPPRESS)
     parser.add_argument("--write_synthetic", help=argparse.SUPPRESS)
@@ -518,23 +545,29 @@ def main() -> None:
     if args.quick:
         args.models, args.rounds, args.repeats = ["bundled"], 3, 2
 
+    isas = None
+    if args.isas:
+        from qmoe_jax.kernels import ops
+
+        isas = [isa for isa in ops.cpu_isas() if isa != "portable"]
     started_load = os.getloadavg()
     rows = []
     for model in args.models:
         path = checkpoint_for(model, args)
         forms = [f for f in args.forms if model != "base128-shaped" or f.startswith("compressed")]
-        rows += measure_model(model, path, forms, args)
+        rows += measure_model(model, path, forms, args, isas)
 
     cpu = cpu_model()
+    width = max(17, *(len(row["form"]) + 1 for row in rows))
     header = (
-        f"{'model':<16}{'form':<17}{'prefill tok/s':>14}{'decode tok/s':>13}{'ms/token':>10}"
+        f"{'model':<16}{'form':<{width}}{'prefill tok/s':>14}{'decode tok/s':>13}{'ms/token':>10}"
         f"{'MB/token':>10}{'bound ms':>10}{'of bound':>10}{'vs dense f32':>14}{'peak GiB':>10}"
     )
     lines = [header]
     for row in rows:
         speedup = row.get("decode_speedup_over_dense_f32")
         lines.append(
-            f"{row['model']:<16}{row['form']:<17}{row['prefill_tokens_per_second']:>14.1f}"
+            f"{row['model']:<16}{row['form']:<{width}}{row['prefill_tokens_per_second']:>14.1f}"
             f"{row['decode_tokens_per_second']:>13.1f}"
             f"{1e3 * row['decode_seconds_per_token']:>10.2f}"
             f"{row['total_bytes'] / 1e6:>10.1f}{1e3 * row['bound_seconds_per_token']:>10.2f}"
@@ -552,6 +585,20 @@ def main() -> None:
         "ternary codes at P(0) = 0.885, no dense source"
     )
     print("\n".join(lines))
+    if isas and len(isas) > 1:
+        print(f"time per decoded token, {isas[0]} / other sets, median of the per-round ratios:")
+        by_label = {(row["model"], row["form"]): row for row in rows}
+        for row in rows:
+            for isa in isas[1:]:
+                suffix = f" [{isas[0]}]"
+                if not row["form"].endswith(suffix):
+                    continue
+                other = by_label[(row["model"], row["form"][: -len(suffix)] + f" [{isa}]")]
+                ratio = statistics.median(
+                    a["decode_seconds_per_token"] / b["decode_seconds_per_token"]
+                    for a, b in zip(row["rounds"], other["rounds"])
+                )
+                print(f"  {row['model']} {row['form']} / {isa}: {ratio:.3f}")
     write_result(
         "inference",
         {"load_average_at_start": started_load, "rows": rows},
