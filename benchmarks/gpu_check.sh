@@ -7,7 +7,7 @@
 #      GPTQ tests (tests/kernels/test_ops.py, tests/kernels/test_ops_fuzz.py,
 #      tests/quant/test_quant_gptq_native.py, tests/quant/test_quant_linalg_native.py)
 #      with JAX_PLATFORMS=cpu, under every instruction set the host's CPU
-#      has (the op tests run each one; the GPTQ tests compare the fastest
+#      has (the op tests run each one; the GPTQ tests compare each one
 #      with portable): on a host with AVX-512 this is where the AVX-512 CPU
 #      kernels run on hardware (CI's .ci/asan_fuzz runs their logic through
 #      scalar stand-ins of the intrinsics only);
