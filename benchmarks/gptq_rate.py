@@ -86,30 +86,31 @@ VARIANTS = {
     "jnp_block": GPTQConfig(native_block=False),
     "jnp_cholesky": GPTQConfig(native_cholesky=False),
 }
-# Variants that force an instruction set (QMOE_CPU_ISA around each call): --isas adds "unrolled
-# <isa>" for each one the CPU kernels have here besides the first (which "unrolled" runs).
-VARIANT_ISAS: dict[str, str] = {}
+Variants = dict[str, tuple[GPTQConfig, "str | None"]]
 
 
-def add_isa_variants() -> None:
-    from qmoe_jax.kernels import ops
+def timed_variants(isas: bool) -> Variants:
+    """name -> (config, instruction set forced or None): VARIANTS, and with ``isas`` "unrolled
+    <isa>" for each instruction set the CPU kernels have here besides the first (which "unrolled"
+    runs), forced with QMOE_CPU_ISA around each call."""
+    variants = {name: (config, None) for name, config in VARIANTS.items()}
+    if isas:
+        from qmoe_jax.kernels import ops
 
-    for isa in ops.cpu_isas()[1:]:
-        if isa != "portable":
-            VARIANTS[f"unrolled {isa}"] = GPTQConfig()
-            VARIANT_ISAS[f"unrolled {isa}"] = isa
+        for isa in ops.cpu_isas()[1:]:
+            if isa != "portable":
+                variants[f"unrolled {isa}"] = (VARIANTS["unrolled"], isa)
+    return variants
 
 
-def solve(variant: str, weights, hessians, count, grid: GridConfig):
-    """One quantize_expert_group call of the variant, waited for (QMOE_CPU_ISA is read by the
-    kernels at each call, so a compiled program runs the forced set)."""
+def solve(config: GPTQConfig, isa: str | None, weights, hessians, count, grid: GridConfig):
+    """One quantize_expert_group call, waited for, with QMOE_CPU_ISA=isa unless None (the
+    kernels read it at each call, so a compiled program runs the forced set)."""
     saved = os.environ.get("QMOE_CPU_ISA")
-    if variant in VARIANT_ISAS:
-        os.environ["QMOE_CPU_ISA"] = VARIANT_ISAS[variant]
+    if isa is not None:
+        os.environ["QMOE_CPU_ISA"] = isa
     try:
-        return jax.block_until_ready(
-            quantize_expert_group(weights, hessians, count, grid, VARIANTS[variant])
-        )
+        return jax.block_until_ready(quantize_expert_group(weights, hessians, count, grid, config))
     finally:
         if saved is None:
             os.environ.pop("QMOE_CPU_ISA", None)
@@ -224,7 +225,7 @@ def sweep_split(weights: jax.Array, repeats: int, grid: GridConfig, config: GPTQ
     )
 
 
-def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
+def measure_tokens(args, tokens: int, grid: GridConfig, variants: Variants) -> list[dict]:
     layer_args = argparse.Namespace(
         seed=args.seed, experts=1, d_model=args.d_model, d_ff=args.d_ff, tokens=tokens
     )
@@ -236,20 +237,20 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
         ("wo", weights_wo, hessians_wo),
     ):
         out_rows, cols = weights.shape[1:]
-        results, compile_s, runs = {}, {}, {name: [] for name in VARIANTS}
-        for variant in VARIANTS:
+        results, compile_s, runs = {}, {}, {name: [] for name in variants}
+        for variant, (config, isa) in variants.items():
             first, _, results[variant] = timed(
-                lambda weights=weights, hessians=hessians, variant=variant: solve(
-                    variant, weights, hessians, count, grid
+                lambda weights=weights, hessians=hessians, config=config, isa=isa: solve(
+                    config, isa, weights, hessians, count, grid
                 )
             )
             compile_s[variant] = first
         for _ in range(args.repeats):
-            for variant in VARIANTS:
+            for variant, (config, isa) in variants.items():
                 runs[variant].append(
                     timed(
-                        lambda weights=weights, hessians=hessians, variant=variant: solve(
-                            variant, weights, hessians, count, grid
+                        lambda weights=weights, hessians=hessians, config=config, isa=isa: solve(
+                            config, isa, weights, hessians, count, grid
                         )
                     )[:2]
                 )
@@ -258,7 +259,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
                 factor_seconds([(weights, hessians)], 1, VARIANTS["unrolled"].damping, native)[0]
                 for _ in range(args.repeats)
             )
-            for native in {config.native_cholesky for config in VARIANTS.values()}
+            for native in {config.native_cholesky for config, _ in variants.values()}
         }
         hessian_s = hessian_seconds(tokens, cols, args.repeats, args.seed)
         split = (
@@ -266,7 +267,7 @@ def measure_tokens(args, tokens: int, grid: GridConfig) -> list[dict]:
             if tokens == args.tokens[0]
             else {}
         )
-        for variant, config in VARIANTS.items():
+        for variant, (config, _) in variants.items():
             seconds = min(run[0] for run in runs[variant])
             rows.append(
                 dict(
@@ -317,11 +318,13 @@ def with_rates(row: dict, rate: float, rate_per_cpu: float) -> dict:
     return row
 
 
-def expert_totals(rows: list[dict], rate: float, rate_per_cpu: float) -> list[dict]:
+def expert_totals(
+    rows: list[dict], rate: float, rate_per_cpu: float, variants: Variants
+) -> list[dict]:
     """Both matrices of the expert together, per token count and variant."""
     totals = []
     for tokens in dict.fromkeys(row["tokens"] for row in rows):
-        for variant in VARIANTS:
+        for variant in variants:
             mine = [row for row in rows if row["tokens"] == tokens and row["variant"] == variant]
             total = dict(
                 tokens=tokens,
@@ -350,16 +353,15 @@ def expert_totals(rows: list[dict], rate: float, rate_per_cpu: float) -> list[di
 
 def main():
     args = parse_args()
-    if args.isas:
-        add_isa_variants()
+    variants = timed_variants(args.isas)
     grid = GridConfig()
     load_before = os.getloadavg()
     huge_pages = malloc.huge_pages_status()
     rate_before = matmul_rate()
-    rows = [row for tokens in args.tokens for row in measure_tokens(args, tokens, grid)]
+    rows = [row for tokens in args.tokens for row in measure_tokens(args, tokens, grid, variants)]
     rate, rate_per_cpu = np.maximum(rate_before, matmul_rate())
     rows = [with_rates(row, rate, rate_per_cpu) for row in rows]
-    totals = expert_totals(rows, rate, rate_per_cpu)
+    totals = expert_totals(rows, rate, rate_per_cpu, variants)
 
     print(
         f"GPTQ on one expert (d_model {args.d_model}, d_ff {args.d_ff}), ternary, block sizes "
@@ -434,8 +436,10 @@ def main():
         rows=rows,
         expert_totals=totals,
         goal=GOAL,
-        variants={name: dataclasses.asdict(config) for name, config in VARIANTS.items()},
-        variant_isas=VARIANT_ISAS,
+        variants={
+            name: {**dataclasses.asdict(config), "isa": isa}
+            for name, (config, isa) in variants.items()
+        },
         load_average_before=load_before,
     )
     write_result("gptq_rate", report, args.out)
