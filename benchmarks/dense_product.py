@@ -11,8 +11,8 @@ multiplied by the same --tokens tokens, summed, in one jitted program per form:
   int8 multiply-reduce    sum(W.astype(float32) * x, axis=-1) * scales, W int8 [rows, cols]
   bf16 native dot         XLA's bfloat16 dot, float32 result
   f32 kernel [in, out]    kernels.dense.kernel_matmul on the float32 baseline's W (the FFI
-                          kernel qmoe_dense_matmul_t up to 32 tokens and from 768x768
-                          weights; XLA's dot otherwise)
+                          kernel qmoe_dense_matmul_t up to float32_kernel_tokens() tokens,
+                          32 or 8 with AVX-512, and from 768x768 weights; XLA's dot otherwise)
   f32 kernel [rows, cols] kernels.dense.rows_matmul on W float32 [rows, cols] (the FFI kernel
                           qmoe_dense_matmul, within the same bounds)
   bf16 kernel             kernels.dense.matmul on bfloat16 weights (the FFI kernel)
@@ -35,6 +35,8 @@ ratios hold better than the times, and neither is a measurement of the machine.
     python benchmarks/dense_product.py --tokens 48 --rounds 9
     python benchmarks/dense_product.py --step switch-base-8
     python benchmarks/dense_product.py --step switch-base-8 --forms "f32 kernel [in, out]"
+    python benchmarks/dense_product.py --step switch-base-8 --tokens 32 --kernel_tokens 32 \
+        --forms "f32 kernel [in, out]" "f32 kernel [rows, cols]"
 """
 
 from __future__ import annotations
@@ -149,10 +151,22 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--kernel_tokens",
+        type=int,
+        default=None,
+        help="tokens up to which the f32 kernel forms take the kernels, for this run (default: "
+        "kernels.dense.float32_kernel_tokens(), what a model takes on this CPU)",
+    )
     parser.add_argument("--output", default=result_path("dense_product"))
     args = parser.parse_args()
 
     import jax
+
+    if args.kernel_tokens is not None:
+        from qmoe_jax.kernels import dense
+
+        dense.float32_kernel_tokens = lambda: args.kernel_tokens  # read at each trace
 
     rng = np.random.default_rng(0)
     if args.step:
@@ -207,7 +221,9 @@ def main() -> None:
     )
     print(
         f"\nCPU: {cpu}, {os.cpu_count()} cores; {pattern}, "
-        f"{args.tokens} token(s); load average {min(loads):.1f} to {max(loads):.1f} (a loaded "
+        f"{args.tokens} token(s)"
+        + (f", f32 kernels up to {args.kernel_tokens} tokens" if args.kernel_tokens else "")
+        + f"; load average {min(loads):.1f} to {max(loads):.1f} (a loaded "
         "machine's times are not measurements)"
     )
     print(f"{'form':<22}{'ms':>9}{'GB/s stored':>13}{'time / f32 dot':>16}")
@@ -228,7 +244,13 @@ def main() -> None:
         )
     write_result(
         "dense_product",
-        {"load_averages": loads, "step": args.step, "shapes": shapes, "rows": rows},
+        {
+            "load_averages": loads,
+            "step": args.step,
+            "shapes": shapes,
+            "kernel_tokens": args.kernel_tokens,
+            "rows": rows,
+        },
         args.output,
     )
 
