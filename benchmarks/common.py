@@ -16,6 +16,7 @@ script, measures this checkout's qmoe_jax, and a development build of the extens
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import glob
 import importlib.metadata
@@ -109,6 +110,20 @@ def machine_facts() -> dict:
 def work_dir(name: str) -> str:
     """The default folder of benchmark ``name``'s checkpoints and runs: runs/benchmarks/<name>."""
     return os.path.join(WORK_DIR, name)
+
+
+@contextlib.contextmanager
+def restored_isa():
+    """QMOE_CPU_ISA as it was on entry, set again (or unset) on exit: benchmarks that force an
+    instruction set for some calls (the CPU kernels read the variable at each call)."""
+    saved = os.environ.get("QMOE_CPU_ISA")
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("QMOE_CPU_ISA", None)
+        else:
+            os.environ["QMOE_CPU_ISA"] = saved
 
 
 def result_path(name: str) -> str:

@@ -63,7 +63,7 @@ if __name__ == "__main__":  # time the solver with the malloc settings of the co
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import cpu_model, result_path, write_result
+from common import cpu_model, restored_isa, result_path, write_result
 from gptq_grouping import (
     executed_flops,
     factor_seconds,
@@ -106,16 +106,10 @@ def timed_variants(isas: bool) -> Variants:
 def solve(config: GPTQConfig, isa: str | None, weights, hessians, count, grid: GridConfig):
     """One quantize_expert_group call, waited for, with QMOE_CPU_ISA=isa unless None (the
     kernels read it at each call, so a compiled program runs the forced set)."""
-    saved = os.environ.get("QMOE_CPU_ISA")
-    if isa is not None:
-        os.environ["QMOE_CPU_ISA"] = isa
-    try:
+    with restored_isa():
+        if isa is not None:
+            os.environ["QMOE_CPU_ISA"] = isa
         return jax.block_until_ready(quantize_expert_group(weights, hessians, count, grid, config))
-    finally:
-        if saved is None:
-            os.environ.pop("QMOE_CPU_ISA", None)
-        else:
-            os.environ["QMOE_CPU_ISA"] = saved
 
 
 def parse_args():

@@ -31,7 +31,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from common import cpu_model, result_path, usable_cores, write_result
+from common import cpu_model, restored_isa, result_path, usable_cores, write_result
 from kernels_cpu import P0, dense_weights, encode_matrix, side_by_side, synthetic
 
 from qmoe_jax.codec import build_dictionary
@@ -54,7 +54,6 @@ def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
     """Median ms of fn(*args) under each QMOE_CPU_ISA, the ISAs taking turns in shuffled rounds of
     one call each (kernels_cpu.side_by_side; "auto": the kernels' own choice, as when the variable
     is unset)."""
-    saved = os.environ.get("QMOE_CPU_ISA")
 
     def under(isa):
         def run():
@@ -63,13 +62,8 @@ def isa_medians_ms(fn, *args, isas: list[str], calls: int) -> dict[str, float]:
 
         return run
 
-    try:
+    with restored_isa():
         times = side_by_side({isa: under(isa) for isa in isas}, calls)
-    finally:
-        if saved is None:
-            os.environ.pop("QMOE_CPU_ISA", None)
-        else:
-            os.environ["QMOE_CPU_ISA"] = saved
     return {isa: t["median_ms"] for isa, t in times.items()}
 
 
